@@ -1,0 +1,210 @@
+"""Typed run configuration: YAML in, validated models out, errors that name the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+
+class _Section(BaseModel):
+    # Unknown keys are an error: a typo such as `grads.projection_dims` must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    base: str
+    adapter: Optional[str] = None
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    threads: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v in {"auto", "cpu", "cuda", "mps"} or v.startswith("cuda:"):
+            return v
+        raise ValueError("expected one of auto, cpu, cuda, cuda:N, mps")
+
+
+class DataConfig(_Section):
+    train: str
+    eval: Optional[str] = None
+
+
+class GradsConfig(_Section):
+    module_filter: Optional[list[str]] = None
+    storage_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    projection_dim: Optional[int] = Field(default=None, ge=1)
+    projection_kind: Literal["rademacher", "gaussian", "sjlt"] = "rademacher"
+    projection_seed: int = 0
+    rerank: int = Field(default=200, ge=0)
+    batch_size: int = Field(default=8, ge=1)
+    max_seq_length: int = Field(default=512, ge=8)
+    loss_chunk_tokens: int = Field(default=1024, ge=1)
+    cache_dir: Optional[str] = None
+    shard_rows: int = Field(default=256, ge=1)
+
+
+class EvaluationConfig(_Section):
+    metric: Literal["exact_match", "contains", "loglik"] = "exact_match"
+    require_significant: bool = True
+    confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
+    bootstrap_samples: int = Field(default=10_000, ge=100)
+    max_new_tokens: int = Field(default=32, ge=1)
+    batch_size: int = Field(default=16, ge=1)
+
+
+class AttributionConfig(_Section):
+    query: Literal["contrastive", "classic"] = "contrastive"
+    preconditioner: Literal["identity", "diagonal", "fisher", "datainf"] = "identity"
+    damping: Optional[float] = Field(default=None, gt=0.0)
+    top_k: int = Field(default=50, ge=1)
+    max_items: int = Field(default=256, ge=1)
+
+
+class TrainConfig(_Section):
+    learning_rate: float = Field(default=2e-3, gt=0.0)
+    epochs: int = Field(default=3, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    lora_r: int = Field(default=8, ge=1)
+    lora_alpha: float = Field(default=16.0, gt=0.0)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    max_seq_length: int = Field(default=512, ge=8)
+    output: Optional[str] = None
+
+
+class Config(_Section):
+    model: ModelConfig
+    data: DataConfig
+    grads: GradsConfig = Field(default_factory=GradsConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    attribution: AttributionConfig = Field(default_factory=AttributionConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output: str = "gradian-out"
+    seed: int = 0
+
+    # Directory of the config file: relative paths in the config resolve against it, not the shell's cwd.
+    root: Optional[str] = Field(default=None, exclude=True)
+
+    def path(self, value: Optional[str]) -> Optional[Path]:
+        """Resolve a path-valued setting relative to the config file."""
+        if value is None:
+            return None
+        p = Path(value).expanduser()
+        if not p.is_absolute() and self.root is not None:
+            p = Path(self.root) / p
+        return p
+
+    def local_or_hub(self, value: Optional[str]) -> Optional[str]:
+        """A model reference: a local path when one exists relative to the config, else the string (a hub id)."""
+        if value is None:
+            return None
+        p = self.path(value)
+        return str(p) if p is not None and p.exists() else value
+
+    @property
+    def output_dir(self) -> Path:
+        return self.path(self.output)  # type: ignore[return-value]
+
+    @property
+    def adapter_out(self) -> Path:
+        return self.path(self.train.output) if self.train.output else self.output_dir / "adapter"  # type: ignore[return-value]
+
+    @property
+    def index_dir(self) -> Path:
+        return self.path(self.grads.cache_dir) if self.grads.cache_dir else self.output_dir / "index"  # type: ignore[return-value]
+
+
+def _set_in(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: '{k}' is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value`; the value is read as YAML so numbers, booleans, null and lists keep their types."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. --set grads.batch_size=4")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: empty key path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see README 'Configuration')")
+        elif e["type"] == "missing":
+            lines.append(f"{source}: missing required key '{loc}'")
+        else:
+            lines.append(f"{source}: key '{loc}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, *, root: Optional[Path] = None, source: str = "config") -> Config:
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err, source)) from None
+    cfg.root = str(root) if root is not None else None
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Config:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    if path.is_dir():
+        candidate = path / "gradian.yaml"
+        if not candidate.exists():
+            raise ConfigError(f"{path}: is a directory without a gradian.yaml; pass the config file itself")
+        path = candidate
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, ...), got {type(data).__name__}")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_in(data, key, value)
+    return config_from_dict(data, root=path.resolve().parent, source=str(path))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude={"root"}), sort_keys=False)
