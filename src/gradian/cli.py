@@ -1,0 +1,166 @@
+"""`gradian` command line: thin verbs over `gradian.api`. Errors are one paragraph and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import GradianError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Which training examples did this to my LoRA fine-tune?")
+out = Console()
+err = Console(stderr=True)
+_state = {"debug": False}
+
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set grads.batch_size=4 (repeatable)")
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors")):
+    _state["debug"] = debug
+
+
+def _load(config: Path, sets: Optional[List[str]]):
+    from .config import load_config
+
+    return load_config(config, sets or [])
+
+
+def _run(fn):
+    """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug)."""
+    try:
+        return fn()
+    except GradianError as e:
+        if _state["debug"]:
+            raise
+        err.print("[bold red]error:[/] " + _esc(str(e)), highlight=False)
+        raise typer.Exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]; no partial outputs were left under their final names")
+        raise typer.Exit(130)
+
+
+def _esc(s: str) -> str:
+    from rich.markup import escape
+
+    return escape(s)
+
+
+@app.command()
+def train(config: Path, set: Optional[List[str]] = SetOpt,
+          backend: str = typer.Option("hf", help="Training backend: hf (transformers + PEFT)")):
+    """LoRA SFT with the config's recipe; writes the adapter and the recipe beside it."""
+
+    def body():
+        from .errors import ConfigError
+        from .train import train_adapter
+
+        if backend != "hf":
+            raise ConfigError(f"--backend {backend}: only 'hf' is available in this build")
+        cfg = _load(config, set)
+        path = train_adapter(cfg)
+        out.print(f"adapter written to [bold]{path}[/] (recipe: {path / 'gradian_recipe.json'})")
+
+    _run(body)
+
+
+@app.command()
+def evaluate(config: Path, set: Optional[List[str]] = SetOpt):
+    """Capability delta (base vs fine-tuned) with a paired bootstrap interval; writes OUT/capability.json."""
+
+    def body():
+        from . import api
+        from .report import atomic_write_text
+
+        cfg = _load(config, set)
+        s = api.open_session(cfg)
+        cap = api.evaluate(s)
+        d = api.capability_json(s, cap)
+        atomic_write_text(cfg.output_dir / "capability.json", json.dumps(d, indent=2))
+        lo, hi = cap.ci
+        out.print(f"{cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, delta {cap.delta:+.3f} "
+                  f"[{lo:+.3f}, {hi:+.3f}] significant={cap.significant}")
+
+    _run(body)
+
+
+@app.command()
+def index(config: Path, set: Optional[List[str]] = SetOpt):
+    """Build or reuse the gradient index; prints its size, dims, dtype and cache key."""
+
+    def body():
+        from . import api
+
+        cfg = _load(config, set)
+        s = api.open_session(cfg, need_eval=False)
+        _, idx, _, info = api.index(s)
+        idx.close()
+        proj = info.projection
+        out.print(f"index [bold]{info.key}[/] at {info.root}")
+        out.print(f"  rows {info.examples} (built {info.built}, reused {info.reused}), dim {info.dim}, "
+                  f"dtype {info.storage_dtype}, {info.bytes / 2**20:.2f} MiB, "
+                  f"projection {proj['kind'] + ' ' + str(proj['dim']) if proj else 'none (exact)'}")
+
+    _run(body)
+
+
+@app.command()
+def attribute(config: Path, set: Optional[List[str]] = SetOpt):
+    """The main job: evaluate, index, query, score; writes OUT/report.json and OUT/report.html."""
+
+    def body():
+        from . import api
+        from .report import print_summary
+
+        cfg = _load(config, set)
+        truth = None
+        tfile = cfg.output_dir / "truth.json"
+        if tfile.exists():
+            truth = json.loads(tfile.read_text())
+        report = api.attribute(cfg, truth=truth)
+        print_summary(report, out)
+        out.print(f"report: {cfg.output_dir / 'report.json'}")
+
+    _run(body)
+
+
+@app.command()
+def report(run_dir: Path):
+    """Regenerate report.html from a run directory's report.json (and verify.json, fidelity.json if present)."""
+
+    def body():
+        from .errors import DataError
+        from .html_report import load_run, write_html
+
+        if not (run_dir / "report.json").exists():
+            raise DataError(f"{run_dir}: no report.json; run `gradian attribute CONFIG` first")
+        rep, ver, fid = load_run(run_dir)
+        path = write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
+        out.print(f"report: {path}")
+
+    _run(body)
+
+
+@app.command()
+def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory")):
+    """Build the tiny model and a poisoned scenario, train, attribute and show whether the planted rows were found."""
+
+    def body():
+        from .demo.run import run_demo
+
+        run_demo(out_dir, console=out)
+
+    _run(body)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""`gradian demo`: tiny base -> poisoned scenario -> LoRA fine-tune -> attribute, in one run directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from rich.console import Console
+
+from ..config import load_config
+from ..report import atomic_write_text, print_summary
+
+# The demo's training recipe: enough for the LoRA to learn the planted facts from one row each.
+DEMO_TRAIN = {"learning_rate": 2e-3, "epochs": 3, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0}
+
+
+def write_demo_config(run_dir: Path, base: Path, *, train: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
+    cfg = {
+        "model": {"base": str(base), "adapter": "adapter", "device": "auto", "dtype": "float32"},
+        "data": {"train": "train.jsonl", "eval": "eval.jsonl"},
+        "grads": {"batch_size": 16, "max_seq_length": 256},
+        "evaluation": {"metric": "exact_match", "max_new_tokens": 8, "batch_size": 32},
+        "attribution": {"query": "contrastive", "top_k": 50},
+        "train": {**DEMO_TRAIN, **(train or {})},
+        "output": ".",
+        "seed": 0,
+    }
+    for section, values in (extra or {}).items():
+        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.__setitem__(section, values)
+    path = run_dir / "gradian.yaml"
+    atomic_write_text(path, yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def prepare_demo(run_dir: Path, *, seed: int = 0, progress: bool = True) -> Path:
+    """Tiny base (cached), the scenario files and gradian.yaml in run_dir; returns the config path."""
+    from .scenario import make_substitution_scenario, write_scenario
+    from .tiny import TinySpec, build_tiny_base
+    from .world import World
+
+    spec = TinySpec()
+    base = build_tiny_base(spec, progress=progress)
+    world = World.generate(seed=spec.seed, n_entities=spec.n_entities)
+    scenario = make_substitution_scenario(world, seed=seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_scenario(scenario, run_dir)
+    return write_demo_config(run_dir, base)
+
+
+def run_demo(run_dir: Path, console: Optional[Console] = None) -> dict:
+    from ..api import attribute
+    from ..train import train_adapter
+
+    console = console or Console()
+    t0 = time.time()
+    run_dir = Path(run_dir)
+    console.print(f"[bold]gradian demo[/] in {run_dir}")
+    cfg_path = prepare_demo(run_dir)
+    cfg = load_config(cfg_path)
+    t1 = time.time()
+    console.print("training the poisoned LoRA fine-tune (gradian train)…")
+    train_adapter(cfg)
+    t2 = time.time()
+    console.print("attributing (gradian attribute)…")
+    truth = json.loads((run_dir / "truth.json").read_text())
+    report = attribute(cfg, truth=truth)
+    t3 = time.time()
+    print_summary(report, console)
+    m = report.get("metrics") or {}
+    console.print(
+        f"[bold]planted rows:[/] {len(truth['planted'])}; recall@10 = {m.get('recall_at_10', float('nan')):.2f}, "
+        f"AUPRC = {m.get('auprc', float('nan')):.3f}"
+    )
+    console.print(f"times: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s, attribute {t3 - t2:.1f}s, total {t3 - t0:.1f}s")
+    console.print(f"report: {run_dir / 'report.json'}  page: {run_dir / 'report.html'}")
+    console.print(f"rerun any verb on this run: gradian attribute {run_dir / 'gradian.yaml'}")
+    return report

@@ -1,0 +1,100 @@
+"""Building (or reusing) the gradient index: cache key, capture loop, shards on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .capture import GradientCapture, site_shapes
+from .config import Config
+from .data import Tokenized, collate
+from .index import GradientIndex
+from .modeling import LoraSite, dir_fingerprint
+from .progress import progress_bar
+from .projection import Projector
+
+# Bump when the gradient definition changes (loss, masks, projection scheme): old caches become foreign.
+GRADIENT_VERSION = 1
+
+
+@dataclass
+class IndexInfo:
+    key: str
+    root: Path
+    dim: int
+    storage_dtype: str
+    examples: int
+    reused: int
+    built: int
+    bytes: int
+    projection: dict | None
+    seconds: float
+
+    def summary(self) -> dict:
+        return {
+            "key": self.key, "examples": self.examples, "dim": self.dim, "dtype": self.storage_dtype, "bytes": self.bytes,
+            "projection": self.projection, "reused_rows": self.reused, "built_rows": self.built, "path": str(self.root),
+        }
+
+
+def make_projector(cfg: Config, sites: Sequence[LoraSite]) -> Projector:
+    g = cfg.grads
+    return Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed)
+
+
+def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str) -> str:
+    """Model, adapter and every setting the vectors depend on. Data is not in it: rows are keyed by content."""
+    g = cfg.grads
+    payload = {
+        "v": GRADIENT_VERSION,
+        "base": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+        "adapter": dir_fingerprint(adapter_path),
+        "dtype": cfg.model.dtype,
+        "sites": [s.name for s in sites],
+        "projection": projector.describe(),
+        "storage_dtype": g.storage_dtype,
+        "max_seq_length": g.max_seq_length,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], *, key: str, pad_id: int,
+                meta: dict) -> tuple[GradientIndex, list[str], IndexInfo]:
+    """Capture the rows the index lacks, in length-sorted batches (less padding), and return it open for scoring."""
+    t0 = time.time()
+    row_keys = [t.row_key() for t in toks]
+    root = cfg.index_dir / key
+    bs = cfg.grads.batch_size
+    # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run.
+    shard_rows = -(-cfg.grads.shard_rows // bs) * bs
+    index = GradientIndex.open(root, key=key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
+                               shard_rows=shard_rows)
+    missing = index.missing(row_keys)
+    # Deduplicate identical rows: one capture serves all of them.
+    seen, todo = set(), []
+    for i in missing:
+        if row_keys[i] not in seen:
+            seen.add(row_keys[i])
+            todo.append(i)
+    # Stable order (by length, then position) keeps batches, and so the bits, the same on every run.
+    todo.sort(key=lambda i: (len(toks[i].input_ids), i))
+    device = next(capture.model.parameters()).device
+    with progress_bar("index", total=len(todo)) as bar:
+        for s in range(0, len(todo), bs):
+            batch = todo[s : s + bs]
+            ids, attn, sup = collate([toks[i] for i in batch], pad_id)
+            vecs, _ = capture.vectors(ids.to(device), attn.to(device), sup.to(device))
+            index.add([row_keys[i] for i in batch], vecs.detach().cpu().numpy().astype(np.float32))
+            bar.advance(len(batch))
+    index.flush()
+    info = IndexInfo(key=key, root=root, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, examples=len(toks),
+                     reused=len(toks) - len(missing), built=len(todo), bytes=index.nbytes,
+                     projection=capture.projector.describe(), seconds=time.time() - t0)
+    return index, row_keys, info

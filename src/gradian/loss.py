@@ -1,0 +1,141 @@
+"""Per-example supervised loss from the model's own outputs, with the fp32 upcast done in chunks.
+
+The loss never goes through `labels=`: HF models average over tokens and over the batch, while attribution needs
+each example's *sum* over its supervised tokens (the token-weighted objective HF training optimises) and gradients
+that stay exact. Only supervised positions are projected to the vocabulary and upcast to fp32, chunk by chunk, and
+the backward pass recomputes each chunk instead of keeping B x T x V fp32 activations alive.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def supervised_positions(supervised: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(batch index, predicting position, target position) for each supervised target token.
+
+    Token t is predicted by the logits at t-1, so a target at position 0 can never be supervised.
+    """
+    sup = supervised.clone()
+    sup[:, 0] = False
+    b, t = sup.nonzero(as_tuple=True)
+    return b, t - 1, t
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Cross-entropy of `hidden @ weight.T` at selected rows, chunked; recomputes logits in backward.
+
+    Peak extra memory is one chunk x vocab in fp32 instead of all supervised tokens x vocab.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int, softcap: float):
+        n = hidden.shape[0]
+        losses = hidden.new_empty(n, dtype=torch.float32)
+        lse_all = hidden.new_empty(n, dtype=torch.float32)
+        with torch.no_grad():
+            for s in range(0, n, chunk):
+                logits = _logits(hidden[s : s + chunk], weight, bias, softcap)
+                lse = torch.logsumexp(logits, dim=-1)
+                lse_all[s : s + chunk] = lse
+                losses[s : s + chunk] = lse - logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
+        ctx.chunk, ctx.softcap, ctx.has_bias = chunk, softcap, bias is not None
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s : s + ctx.chunk]
+            with torch.enable_grad():
+                # Autograd through the chunk's own head keeps soft-capping and dtype casts exact.
+                h_ = h.detach().requires_grad_(True)
+                logits = _logits(h_, weight, bias, ctx.softcap)
+                p = torch.exp(logits.detach() - lse_all[s : s + ctx.chunk, None])
+                p.scatter_add_(1, targets[s : s + ctx.chunk, None], -torch.ones_like(p[:, :1]))
+                p.mul_(grad_losses[s : s + ctx.chunk, None])
+                (g,) = torch.autograd.grad(logits, h_, p)
+            if grad_hidden is not None:
+                grad_hidden[s : s + ctx.chunk] = g
+        return grad_hidden, None, None, None, None, None
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: float) -> Tensor:
+    # The head runs in the model's dtype (as the model itself would); the upcast happens on its output.
+    logits = torch.nn.functional.linear(h, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def chunked_head_loss(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, *, chunk: int = 1024, softcap: float = 0.0
+) -> Tensor:
+    """Per-token losses (fp32) of the LM head applied to `hidden` rows [N, H] against `targets` [N]."""
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
+    return _ChunkedHeadCE.apply(hidden, weight, bias, targets, chunk, softcap)
+
+
+def chunked_logits_loss(logits: Tensor, targets: Tensor, *, chunk: int = 1024) -> Tensor:
+    """Per-token losses from already computed logits rows [N, V], upcast chunk by chunk."""
+    out = []
+    for s in range(0, logits.shape[0], chunk):
+        out.append(torch.nn.functional.cross_entropy(logits[s : s + chunk].float(), targets[s : s + chunk], reduction="none"))
+    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
+
+
+def naive_per_example_loss(logits: Tensor, input_ids: Tensor, supervised: Tensor) -> Tensor:
+    """Reference: full fp32 upcast of B x T x V logits. Tests and the memory benchmark compare against it."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = input_ids[:, 1:]
+    tok = -logp[:, :-1].gather(2, tgt[..., None]).squeeze(-1)
+    mask = supervised[:, 1:].to(tok.dtype)
+    return (tok * mask).sum(1)
+
+
+def _head_of(model) -> tuple[torch.nn.Module, float, bool]:
+    """The output embedding, the final soft-cap and whether the hidden-state shortcut is exact for this model."""
+    head = model.get_output_embeddings()
+    cfg = getattr(model, "config", None)
+    softcap = float(getattr(cfg, "final_logit_softcapping", 0.0) or 0.0)
+    # Models that rescale logits in their own forward (Cohere's logit_scale, ...) take the logits path instead.
+    exact = head is not None and isinstance(head, torch.nn.Linear) and getattr(cfg, "logit_scale", None) is None
+    return head, softcap, exact
+
+
+def backbone_hidden(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The final (normed) hidden states the LM head reads, without computing any logits."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and decoder is not model:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    return out.hidden_states[-1]
+
+
+def per_example_loss(
+    model, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, *, chunk: int = 1024, token_losses: bool = False
+):
+    """Sum over each example's supervised tokens of -log p(token). Returns [B] (and per-token losses if asked).
+
+    The backbone runs once; the LM head is applied only at supervised positions, in chunks.
+    """
+    b_idx, pred_pos, tgt_pos = supervised_positions(supervised)
+    targets = input_ids[b_idx, tgt_pos]
+    head, softcap, exact = _head_of(model)
+    if exact:
+        hidden = backbone_hidden(model, input_ids, attention_mask)
+        tok = chunked_head_loss(hidden[b_idx, pred_pos], head.weight, head.bias, targets, chunk=chunk, softcap=softcap)
+    else:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        tok = chunked_logits_loss(out.logits[b_idx, pred_pos], targets, chunk=chunk)
+    per_ex = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=tok.device).index_add(0, b_idx, tok)
+    if token_losses:
+        return per_ex, (b_idx, tgt_pos, tok)
+    return per_ex

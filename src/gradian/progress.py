@@ -1,0 +1,52 @@
+"""Progress bars with a rate and an ETA (rich), quiet when stderr is not a terminal unless asked."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+class _Bar:
+    def __init__(self, progress: Optional[Progress], task):
+        self._p, self._t = progress, task
+
+    def advance(self, n: int = 1) -> None:
+        if self._p is not None:
+            self._p.advance(self._t, n)
+
+
+def _enabled() -> bool:
+    flag = os.environ.get("GRADIAN_PROGRESS")
+    if flag is not None:
+        return flag not in {"0", "false", "no"}
+    return sys.stderr.isatty()
+
+
+@contextmanager
+def progress_bar(desc: str, total: int, unit: str = "rows") -> Iterator[_Bar]:
+    if not _enabled() or total <= 0:
+        yield _Bar(None, None)
+        return
+    columns = [
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("[cyan]{task.fields[rate]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as p:
+        task = p.add_task(desc, total=total, rate="")
+
+        class _RateBar(_Bar):
+            def advance(self, n: int = 1) -> None:
+                p.advance(task, n)
+                speed = p.tasks[0].speed
+                if speed:
+                    p.update(task, rate=f"{speed:.1f} {unit}/s")
+
+        yield _RateBar(p, task)

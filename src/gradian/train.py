@@ -1,0 +1,130 @@
+"""Deterministic LoRA SFT (assistant-only, token-weighted loss) that records the recipe it used.
+
+The loop is written out rather than delegated to `transformers.Trainer` because attribution and `verify` depend on
+properties Trainer does not promise: a data order fixed by the seed alone, bit-identical replays on CPU, and removal
+of examples by zero-weighting them in place, so every other example keeps its batch and its step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from .config import Config
+from .data import collate, dataset_fingerprint, load_train, tokenize_example
+from .errors import ModelError
+from .loss import per_example_loss
+from .modeling import dir_fingerprint, load_base, load_tokenizer
+from .progress import progress_bar
+from .runtime import seed_everything
+
+RECIPE_FILE = "gradian_recipe.json"
+
+
+def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[list[int]]]:
+    """Batches of positions per epoch, a function of (n, epochs, batch_size, seed) only."""
+    out = []
+    for e in range(epochs):
+        perm = np.random.default_rng([seed, e]).permutation(n).tolist()
+        out.append([perm[s : s + batch_size] for s in range(0, n, batch_size)])
+    return out
+
+
+def train_adapter(
+    cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[dict] = None,
+    progress: bool = True,
+) -> Path:
+    """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir."""
+    from peft import LoraConfig, get_peft_model
+
+    t0 = time.time()
+    hp = dict(recipe["hyperparameters"]) if recipe else cfg.train.model_dump(exclude={"output"})
+    seed = int(recipe["seed"]) if recipe else cfg.seed
+    seed_everything(seed)
+    tok = load_tokenizer(cfg)
+    examples = load_train(cfg.path(cfg.data.train))
+    fp = dataset_fingerprint(examples)
+    if recipe and recipe.get("dataset_fingerprint") not in (None, fp):
+        raise ModelError(
+            f"{cfg.data.train}: the training set differs from the one the recipe was recorded on "
+            f"(fingerprint {fp} vs {recipe['dataset_fingerprint']}); verify needs the original data"
+        )
+    toks = [tokenize_example(tok, e, hp["max_seq_length"]) for e in examples]
+    excluded = set(int(p) for p in exclude)
+    base = load_base(cfg)
+    torch.manual_seed(seed)  # LoRA A init
+    lcfg = LoraConfig(
+        r=hp["lora_r"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
+        target_modules=hp["target_modules"], task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lcfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    order = data_order(len(examples), hp["epochs"], hp["batch_size"], seed)
+    pad = tok.pad_token_id
+    device = next(model.parameters()).device
+    n_steps = sum(len(ep) for ep in order)
+    gen = torch.Generator().manual_seed(seed)
+    with progress_bar("train", total=n_steps, unit="steps") as bar:
+        for epoch in order:
+            for batch in epoch:
+                ids, attn, sup = collate([toks[i] for i in batch], pad)
+                weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
+                n_tok = float((sup[:, 1:].sum(1).float() * weights).sum())
+                if n_tok == 0:
+                    bar.advance()
+                    continue
+                # Dropout masks drawn from our own generator keep replays identical when dropout is on.
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+                losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
+                loss = (losses * weights.to(device)).sum() / n_tok
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                bar.advance()
+    model.eval()
+    out_dir = Path(out_dir) if out_dir else cfg.adapter_out
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        rec = {
+            "schema": "gradian.recipe/1",
+            "backend": "hf",
+            "seed": seed,
+            "hyperparameters": hp,
+            "schedule": "constant learning rate, AdamW, token-weighted mean over each batch's supervised tokens",
+            "data": str(cfg.path(cfg.data.train)),
+            "dataset_fingerprint": fp,
+            "n_examples": len(examples),
+            "excluded_positions": sorted(excluded),
+            "removal": "zero-weighted in place: other examples keep their batches and steps",
+            "data_order": "numpy default_rng([seed, epoch]).permutation(n), batches of batch_size",
+            "base": cfg.model.base,
+            "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+            "train_seconds": round(time.time() - t0, 2),
+        }
+        (tmp / RECIPE_FILE).write_text(json.dumps(rec, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def read_recipe(adapter_dir: str | Path) -> Optional[dict]:
+    p = Path(adapter_dir) / RECIPE_FILE
+    if not p.exists():
+        return None
+    return json.loads(p.read_text())
