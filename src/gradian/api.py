@@ -62,7 +62,7 @@ def open_session(cfg: Config, *, need_eval: bool = True) -> Session:
     examples = load_train(cfg.path(cfg.data.train))
     eval_items = load_eval(cfg.path(cfg.data.eval)) if (cfg.data.eval and need_eval) else None
     tok = load_tokenizer(cfg)
-    adapter = cfg.local_or_hub(cfg.model.adapter)
+    adapter = cfg.local_or_hub(cfg.model.adapter, "model.adapter")
     model = load_model(cfg, adapter)
     sites, skipped = lora_sites(model, cfg.grads.module_filter)
     if not sites:

@@ -52,6 +52,25 @@ def _esc(s: str) -> str:
 
 
 @app.command()
+def diagnose(config: Path, set: Optional[List[str]] = SetOpt,
+             as_json: bool = typer.Option(False, "--json", help="Print the checks as a JSON list")):
+    """Run every setup check without building an index; exit 1 if any error-level check fails."""
+
+    def body():
+        from .checks import print_checks, run_diagnose
+
+        results = run_diagnose(config, set or [])
+        if as_json:
+            print(json.dumps([r.to_dict() for r in results], indent=2))
+        else:
+            print_checks(results, out)
+        if any(r.level == "error" and r.status == "fail" for r in results):
+            raise typer.Exit(1)
+
+    _run(body)
+
+
+@app.command()
 def train(config: Path, set: Optional[List[str]] = SetOpt,
           backend: str = typer.Option("hf", help="Training backend: hf (transformers + PEFT)")):
     """LoRA SFT with the config's recipe; writes the adapter and the recipe beside it."""

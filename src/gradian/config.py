@@ -105,12 +105,21 @@ class Config(_Section):
             p = Path(self.root) / p
         return p
 
-    def local_or_hub(self, value: Optional[str]) -> Optional[str]:
-        """A model reference: a local path when one exists relative to the config, else the string (a hub id)."""
+    def local_or_hub(self, value: Optional[str], key: str = "model") -> Optional[str]:
+        """A model reference: a local path when one exists relative to the config, else a hub id ("org/name").
+
+        A missing path that cannot be a hub id is an error here, rather than a slow failing hub request later.
+        """
         if value is None:
             return None
         p = self.path(value)
-        return str(p) if p is not None and p.exists() else value
+        if p is not None and p.exists():
+            return str(p)
+        looks_local = value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1
+        if looks_local or (key == "model.adapter" and "/" not in value):
+            raise ConfigError(f"{key}: '{value}' does not exist (resolved to {p}); relative paths resolve against the "
+                              "config file" + ("; run `gradian train CONFIG` to create the adapter" if key == "model.adapter" else ""))
+        return value
 
     @property
     def output_dir(self) -> Path:
@@ -118,7 +127,11 @@ class Config(_Section):
 
     @property
     def adapter_out(self) -> Path:
-        return self.path(self.train.output) if self.train.output else self.output_dir / "adapter"  # type: ignore[return-value]
+        """Where `gradian train` writes: train.output, else model.adapter (what attribute reads), else OUT/adapter."""
+        for v in (self.train.output, self.model.adapter):
+            if v:
+                return self.path(v)  # type: ignore[return-value]
+        return self.output_dir / "adapter"
 
     @property
     def index_dir(self) -> Path:

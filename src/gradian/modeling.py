@@ -139,7 +139,7 @@ def read_adapter_config(path: str) -> dict:
 def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
-    base = cfg.local_or_hub(cfg.model.base)
+    base = cfg.local_or_hub(cfg.model.base, "model.base")
     try:
         tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
@@ -153,7 +153,7 @@ def load_base(cfg: Config, device: Optional[torch.device] = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     configure_threads(cfg.model.threads)
-    base = cfg.local_or_hub(cfg.model.base)
+    base = cfg.local_or_hub(cfg.model.base, "model.base")
     try:
         mcfg = AutoConfig.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
@@ -187,7 +187,7 @@ def load_model(cfg: Config, adapter: Optional[str] = None, *, device: Optional[t
     """Base + LoRA adapter as a PeftModel in eval mode (LoRA dropout off), LoRA weights requiring grad."""
     from peft import PeftModel
 
-    path = adapter or cfg.local_or_hub(cfg.model.adapter)
+    path = adapter or cfg.local_or_hub(cfg.model.adapter, "model.adapter")
     if path is None:
         raise ModelError(
             "model.adapter is not set: model.full_finetune. Gradian attributes over a LoRA adapter; set model.adapter "
