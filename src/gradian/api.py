@@ -6,13 +6,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from .capability import CapabilityResult, measure_capability
-from .capture import GradientCapture
+from .capture import GradientCapture, site_shapes
+from .fidelity_check import agreement, order_scores, rerank_order
+from .progress import progress_bar
+from .projection import Projector
 from .config import Config, dump_config
 from .data import (
     Example, EvalItem, Tokenized, collate, has_chat_template, load_eval, load_train, tokenize_example, uses_chat,
@@ -204,13 +207,17 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
         capture, idx, row_keys, info = index(s)
         report["index"] = info.summary()
         t0 = time.time()
+        order = None
         if verdict == "attributed":
-            q = query_vectors(capture, s.tokenizer, s.eval_items, qitems, chat=s.chat,
-                              max_len=cfg.grads.max_seq_length, batch_size=cfg.grads.batch_size).numpy()
-            per_item = harm_from_inner(idx.score(unit_queries(q), row_keys))
-            if direction == "improvement":
-                per_item = -per_item  # the rows that helped the improvement
+            per_item, order, fid = score_items(s, capture, idx, row_keys, qitems, direction)
             scores = aggregate(per_item).astype(np.float32)
+            if fid is not None:
+                report["index"]["fidelity"] = fid
+                low = (fid["reranked"] or fid["projected_aggregate"])["top50_recall"]
+                if low < cfg.grads.fidelity_warn:
+                    s.flag("index.projection_fidelity", "warning",
+                           f"projected scores agree poorly with exact ones (top-50 recall {low:.2f} on a sample of "
+                           f"{fid['sample_rows']} rows)", "raise grads.projection_dim or grads.rerank")
             for qi, row in zip(qitems, per_item):
                 top = rank(row, cfg.attribution.top_k)
                 report["query"]["items"].append({
@@ -220,9 +227,9 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
                 })
         else:
             # Smoke test: squared gradient norm (self-influence), the rows most unlike the rest.
-            scores = np.concatenate([np.square(block).sum(1) for _, block in _blocks(idx, row_keys)]).astype(np.float32)
+            scores = np.square(idx.rows(row_keys)).sum(1).astype(np.float32)
         s.timings["score"] = round(time.time() - t0, 3)
-        top = rank(scores, cfg.attribution.top_k).tolist()
+        top = (order if order is not None else rank(scores))[: cfg.attribution.top_k].tolist()
         base_l = row_losses(s, top, base=True)
         tuned_l = row_losses(s, top, base=False)
         for r, (p, bl, tl) in enumerate(zip(top, base_l, tuned_l), start=1):
@@ -254,6 +261,63 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
     return report
 
 
-def _blocks(idx, row_keys):
-    rows = idx.rows(row_keys)
-    yield row_keys, rows
+def _exact_scores(s: Session, exact: GradientCapture, q_unit: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+    """Exact per-item harm scores [Q, len(positions)], streaming rows so no exact vector is kept."""
+    out = np.zeros((q_unit.shape[0], len(positions)), dtype=np.float32)
+    device = next(s.model.parameters()).device
+    bs = s.cfg.grads.batch_size
+    pos = list(positions)
+    order = sorted(range(len(pos)), key=lambda j: (len(s.toks[pos[j]].input_ids), pos[j]))
+    with progress_bar("exact re-rank", total=len(pos)) as bar:
+        for i in range(0, len(order), bs):
+            js = order[i : i + bs]
+            ids, attn, sup = collate([s.toks[pos[j]] for j in js], s.tokenizer.pad_token_id)
+            vecs, _ = exact.vectors(ids.to(device), attn.to(device), sup.to(device))
+            out[:, js] = harm_from_inner(q_unit @ vecs.detach().cpu().numpy().T)
+            bar.advance(len(js))
+    return out
+
+
+def score_items(s: Session, capture: GradientCapture, idx, row_keys: list[str], qitems, direction: str):
+    """Per-item scores [Q, N] from the index; with a projected index, the top `grads.rerank` rows are re-scored
+    exactly (their order is exact) and a sample of rows measures projected-vs-exact agreement.
+
+    Returns (per_item, order or None, fidelity dict or None)."""
+    cfg = s.cfg
+    q = query_vectors(capture, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=cfg.grads.max_seq_length,
+                      batch_size=cfg.grads.batch_size).numpy()
+    sign = -1.0 if direction == "improvement" else 1.0  # for an improvement, rank the rows that helped it
+    per_item = sign * harm_from_inner(idx.score(unit_queries(q), row_keys))
+    if capture.projector.exact or (cfg.grads.rerank == 0 and cfg.grads.fidelity_sample == 0):
+        return per_item, None, None
+    exact = GradientCapture(s.model, s.sites, Projector(site_shapes(s.sites)), chunk=cfg.grads.loss_chunk_tokens)
+    q_exact = unit_queries(query_vectors(exact, s.tokenizer, s.eval_items, qitems, chat=s.chat,
+                                         max_len=cfg.grads.max_seq_length, batch_size=cfg.grads.batch_size).numpy())
+    n = len(row_keys)
+    agg = aggregate(per_item)
+    cand = rank(agg, min(cfg.grads.rerank, n))
+    rng = np.random.default_rng(cfg.seed)
+    sample = np.sort(rng.choice(n, size=min(cfg.grads.fidelity_sample, n), replace=False)) if cfg.grads.fidelity_sample else np.array([], dtype=int)
+    need = np.union1d(cand, sample).astype(int)
+    ex = sign * _exact_scores(s, exact, q_exact, need.tolist())
+    col = {int(p): j for j, p in enumerate(need)}
+    order = None
+    if cand.size:
+        order = rerank_order(agg, cand, aggregate(ex[:, [col[int(p)] for p in cand]]))
+        per_item = per_item.copy()
+        per_item[:, cand] = ex[:, [col[int(p)] for p in cand]]
+    fid = None
+    if sample.size >= 2:
+        ex_s = ex[:, [col[int(p)] for p in sample]]
+        proj_s = (sign * harm_from_inner(idx.score(unit_queries(q), [row_keys[p] for p in sample])))
+        fid = {"sample_rows": int(sample.size), "queries": int(q.shape[0]), "rerank_rows": int(cand.size),
+               "projected": agreement(ex_s, proj_s),
+               "projected_aggregate": agreement(aggregate(ex_s)[None, :], aggregate(proj_s)[None, :]), "reranked": None}
+        if order is not None:
+            # Agreement of the order a user reads (exact candidates first) with the exact order, on the sample.
+            pos_in_order = np.empty(n, dtype=np.int64)
+            pos_in_order[order] = np.arange(n)
+            agg_fake = order_scores(np.argsort(pos_in_order[sample], kind="stable"))
+            fid["reranked"] = agreement(aggregate(ex_s)[None, :], agg_fake[None, :])
+            fid["reranked"].pop("pearson", None)
+    return per_item, order, fid

@@ -44,6 +44,8 @@ class GradsConfig(_Section):
     projection_kind: Literal["rademacher", "gaussian", "sjlt"] = "rademacher"
     projection_seed: int = 0
     rerank: int = Field(default=200, ge=0)
+    fidelity_sample: int = Field(default=512, ge=0)
+    fidelity_warn: float = Field(default=0.9, ge=0.0, le=1.0)
     batch_size: int = Field(default=8, ge=1)
     max_seq_length: int = Field(default=512, ge=8)
     loss_chunk_tokens: int = Field(default=1024, ge=1)
