@@ -227,7 +227,8 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
                 })
         else:
             # Smoke test: squared gradient norm (self-influence), the rows most unlike the rest.
-            scores = np.square(idx.rows(row_keys)).sum(1).astype(np.float32)
+            sq = {k: float(v) for keys, block in idx.iter_shards() for k, v in zip(keys, np.square(block).sum(1))}
+            scores = np.array([sq[k] for k in row_keys], dtype=np.float32)
         s.timings["score"] = round(time.time() - t0, 3)
         top = (order if order is not None else rank(scores))[: cfg.attribution.top_k].tolist()
         base_l = row_losses(s, top, base=True)
