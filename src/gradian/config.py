@@ -41,7 +41,7 @@ class GradsConfig(_Section):
     module_filter: Optional[list[str]] = None
     storage_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     projection_dim: Optional[int] = Field(default=None, ge=1)
-    projection_kind: Literal["rademacher", "gaussian", "sjlt"] = "rademacher"
+    projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "rademacher"
     projection_seed: int = 0
     rerank: int = Field(default=200, ge=0)
     fidelity_sample: int = Field(default=512, ge=0)
@@ -218,7 +218,22 @@ def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> Conf
     for item in overrides or []:
         key, value = parse_override(item)
         _set_in(data, key, value)
-    return config_from_dict(data, root=path.resolve().parent, source=str(path))
+    cfg = config_from_dict(data, root=path.resolve().parent, source=str(path))
+    _check_output_dirs(cfg, str(path))
+    return cfg
+
+
+def _check_output_dirs(cfg: Config, source: str) -> None:
+    """An output location blocked by an existing file is a config error now, not an OSError after the work is done."""
+    adapter_key = "train.output" if cfg.train.output else ("model.adapter" if cfg.model.adapter else "output")
+    for key, p in (("output", cfg.output_dir), ("grads.cache_dir" if cfg.grads.cache_dir else "output", cfg.index_dir),
+                   (adapter_key, cfg.adapter_out)):
+        for q in (p, *p.parents):
+            if q.exists():
+                if not q.is_dir():
+                    what = "a file, not a directory" if q == p else f"a file, so the directory {p} cannot be created"
+                    raise ConfigError(f"{source}: key '{key}': {q} is {what}; choose another path or move the file")
+                break
 
 
 def dump_config(cfg: Config) -> str:

@@ -289,13 +289,31 @@ def render_chat(tokenizer, msgs: list[dict]) -> tuple[list[int], list[bool], str
     return ids, _mask_from_char_ranges(offsets, ranges), text, offsets
 
 
+def _template_failure(where: str, e: Exception) -> DataError:
+    return DataError(f"{where}: the tokenizer's chat template cannot render this conversation ({type(e).__name__}: {e}); "
+                     "drop or rewrite the record (e.g. fold a system turn into the first user turn), or use a template "
+                     "that accepts it")
+
+
+def _render_or_explain(tokenizer, msgs: list[dict], where: str):
+    """render_chat with errors that name the record: a template's raise_exception() (jinja2) or a ValueError."""
+    import jinja2
+
+    try:
+        return render_chat(tokenizer, msgs)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise _template_failure(where, e) from None
+
+
 def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
     flags: set[str] = set()
     eos = tokenizer.eos_token or ""
     if ex.shape == "messages":
         msgs = ex.record["messages"]
         if has_chat_template(tokenizer):
-            ids, mask, text, offsets = render_chat(tokenizer, msgs)
+            ids, mask, text, offsets = _render_or_explain(tokenizer, msgs, ex.source or ex.id)
         else:
             flags.add("data.no_chat_template")
             text, ranges = _plain_messages(msgs)
@@ -345,7 +363,12 @@ def eval_prompt_text(tokenizer, item: EvalItem, chat: bool) -> str:
     """The generation prompt, rendered the way the training records were."""
     msgs = item.messages if item.messages is not None else [{"role": "user", "content": item.prompt or ""}]
     if chat and has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        import jinja2
+
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise _template_failure(item.source or item.id, e) from None
     if item.messages is not None:
         return _plain_messages(msgs)[0] + "assistant: "
     return item.prompt or ""

@@ -105,9 +105,35 @@ def dir_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def summarize_load_error(e: BaseException, limit: int = 300) -> str:
+    """One line for a loader exception; PEFT's size-mismatch error lists every tensor, keep the count and the first."""
+    text = str(e)
+    m = re.findall(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from checkpoint, "
+                   r"the shape in current model is torch\.Size\((\[[^\]]*\])\)", text)
+    if m:
+        name, a, b = m[0]
+        name = name.replace("base_model.model.", "").replace(".default", "")
+        return f"{len(m)} LoRA tensors do not fit the base, e.g. {name}: adapter {a} vs base {b}"
+    s = " ".join(text.split())
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _not_an_adapter_dir(base: str) -> None:
+    """model.base pointing at a PEFT adapter directory is a common slip; say so instead of a tokenizer/config error."""
+    p = Path(base)
+    if p.is_dir() and (p / "adapter_config.json").exists() and not (p / "config.json").exists():
+        raise ModelError(
+            f"model.base '{base}' is a LoRA adapter directory (adapter_config.json, no config.json), not a model: set "
+            "model.base to the model it was trained on and model.adapter to this directory"
+        )
+
+
 def read_adapter_config(path: str) -> dict:
     p = Path(path)
     cfg_file = p / "adapter_config.json"
+    if p.exists() and not p.is_dir():
+        raise ModelError(f"model.adapter '{path}' is a file; it must be a PEFT adapter directory "
+                         "(adapter_config.json + adapter_model.safetensors)")
     if p.is_dir() and not cfg_file.exists():
         if (p / "config.json").exists():
             raise ModelError(
@@ -123,9 +149,11 @@ def read_adapter_config(path: str) -> dict:
         except Exception as e:
             raise ModelError(f"model.adapter '{path}': not a local directory and not loadable from the hub ({e})") from None
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: invalid JSON or non-UTF-8 bytes
         raise ModelError(f"{cfg_file}: unreadable adapter config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{cfg_file}: expected a JSON object (a PEFT adapter config), got {type(cfg).__name__}")
     if cfg.get("peft_type") not in (None, "LORA"):
         raise ModelError(f"{cfg_file}: peft_type is {cfg.get('peft_type')!r}: adapter.not_lora. Gradian needs a LoRA adapter")
     if cfg.get("task_type") not in (None, "CAUSAL_LM"):
@@ -133,6 +161,9 @@ def read_adapter_config(path: str) -> dict:
             f"{cfg_file}: task_type is {cfg.get('task_type')!r}: adapter.task_type. Gradian attributes causal-LM adapters "
             "(task_type CAUSAL_LM)"
         )
+    if p.is_dir() and not any((p / f).exists() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ModelError(f"{p}: adapter_config.json but no adapter_model.safetensors (or .bin); the adapter's weights "
+                         "are missing")
     return cfg
 
 
@@ -140,12 +171,14 @@ def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
     base = cfg.local_or_hub(cfg.model.base, "model.base")
+    _not_an_adapter_dir(base)
     try:
         tok = AutoTokenizer.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
-        raise ModelError(f"model.base '{base}': cannot load a tokenizer ({e})") from None
+        raise ModelError(f"model.base '{base}': cannot load a tokenizer ({summarize_load_error(e)})") from None
     if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+        # Padding is masked out everywhere, so any real token serves; eos is the usual choice.
+        tok.pad_token = tok.eos_token or tok.unk_token or tok.convert_ids_to_tokens(0)
     return tok
 
 
@@ -154,10 +187,11 @@ def load_base(cfg: Config, device: Optional[torch.device] = None):
 
     configure_threads(cfg.model.threads)
     base = cfg.local_or_hub(cfg.model.base, "model.base")
+    _not_an_adapter_dir(base)
     try:
         mcfg = AutoConfig.from_pretrained(base, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:
-        raise ModelError(f"model.base '{base}': cannot read a model config ({e})") from None
+        raise ModelError(f"model.base '{base}': cannot read a model config ({summarize_load_error(e)})") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(mcfg) not in MODEL_FOR_CAUSAL_LM_MAPPING and not cfg.model.trust_remote_code:
@@ -177,7 +211,7 @@ def load_base(cfg: Config, device: Optional[torch.device] = None):
             base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, use_safetensors=None
         )
     except Exception as e:
-        raise ModelError(f"model.base '{base}': cannot load the model ({e})") from None
+        raise ModelError(f"model.base '{base}': cannot load the model ({summarize_load_error(e)})") from None
     model.to(device or resolve_device(cfg.model.device))
     model.eval()
     return model
@@ -199,8 +233,8 @@ def load_model(cfg: Config, adapter: Optional[str] = None, *, device: Optional[t
         model = PeftModel.from_pretrained(base, path, is_trainable=True)
     except Exception as e:
         raise ModelError(
-            f"model.adapter '{path}': cannot apply it to model.base ({e}); adapter.base_mismatch if it was trained on "
-            "another base"
+            f"model.adapter '{path}': cannot apply it to model.base '{cfg.model.base}' ({summarize_load_error(e)}); "
+            "adapter.base_mismatch: set model.base to the model the adapter was trained on"
         ) from None
     model.eval()  # dropout (LoRA's included) off: captured gradients must be deterministic
     for n, p in model.named_parameters():
