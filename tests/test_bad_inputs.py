@@ -325,8 +325,6 @@ def test_debug_shows_the_traceback(tmp_path, zoo):
     assert isinstance(res.exception, DataError)
 
 
-@pytest.mark.xfail(reason="train.py does not wrap get_peft_model's ValueError for train.target_modules (reported)",
-                   strict=False)
 def test_train_target_modules_not_in_base(tmp_path, zoo):
     path, _ = cfg(tmp_path, zoo, extra={"train": {"output": "out/adapter", "target_modules": ["c_attn"]}})
     res = runner.invoke(app, ["train", str(path)])

@@ -74,14 +74,6 @@ def open_session(cfg: Config, *, need_eval: bool = True) -> Session:
                          + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
     s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples))
     s.timings["load"] = round(time.time() - t0, 3)
-    if skipped:
-        s.flag("adapter.skipped_modules", "warning", f"{len(skipped)} LoRA modules cannot be captured and are left out: "
-               f"{', '.join(skipped[:5])}", "attribution covers the LoRA Linear layers only")
-    if not has_chat_template(tok):
-        level = "info" if all(e.shape == "text" for e in examples) else "warning"
-        s.flag("data.no_chat_template", level, "the tokenizer has no chat template: whole sequences are supervised and "
-               "chats are rendered as 'role: content' lines", "use a tokenizer with a chat template (ideally with "
-               "{% generation %} tags)")
     return s
 
 
@@ -178,8 +170,11 @@ def _verdict_text(verdict: str, cap: Optional[CapabilityResult], n_items: int, d
 
 def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dict:
     """The main job: evaluate, index, query, score; writes report.json, scores.npy and report.html."""
+    from .checks import run_checks_for_session
+
     t_all = time.time()
     s = open_session(cfg)
+    run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
     out_dir = cfg.output_dir
     cap: Optional[CapabilityResult] = None
     report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}

@@ -140,7 +140,12 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
         truth = None
         tfile = cfg.output_dir / "truth.json"
         if tfile.exists():
-            truth = json.loads(tfile.read_text())
+            try:
+                truth = json.loads(tfile.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                from .errors import DataError
+
+                raise DataError(f"{tfile}: unreadable ground truth ({e}); delete it or fix the JSON") from None
         report = api.attribute(cfg, truth=truth)
         print_summary(report, out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
@@ -173,6 +178,51 @@ def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run dire
         from .demo.run import run_demo
 
         run_demo(out_dir, console=out)
+
+    _run(body)
+
+
+@app.command()
+def verify(config: Path, set: Optional[List[str]] = SetOpt,
+           top_k: Optional[int] = typer.Option(None, "--top-k", help="Accused rows to drop (default: the number of "
+                                               "planted rows if OUT/truth.json exists, else min(attribution.top_k, "
+                                               "5% of the rows))"),
+           controls: int = typer.Option(3, "--controls", min=0, help="Random-k control retrains"),
+           keep_adapters: bool = typer.Option(False, "--keep-adapters", help="Keep the retrained adapters under "
+                                              "OUT/verify/"),
+           reference: bool = typer.Option(True, "--reference/--no-reference", help="Also retrain with nothing "
+                                          "dropped, to show the recipe reproduces the adapter")):
+    """Retrain without the top-k accused rows (and without k random rows) and re-measure; writes OUT/verify.json."""
+
+    def body():
+        from .verify import print_verify, run_verify
+
+        cfg = _load(config, set)
+        res = run_verify(cfg, top_k=top_k, controls=controls, keep_adapters=keep_adapters, reference=reference,
+                         console=out)
+        print_verify(res, out)
+        out.print(f"verify: {cfg.output_dir / 'verify.json'}  page: {cfg.output_dir / 'report.html'}")
+
+    _run(body)
+
+
+@app.command()
+def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
+             loo: int = typer.Option(20, "--loo", min=0, help="Leave-one-out rows per group (top, bottom, random)"),
+             subsets: int = typer.Option(50, "--subsets", min=0, help="LDS subsets (each drops --frac of the rows)"),
+             frac: float = typer.Option(0.05, "--frac", min=0.0, max=0.5, help="Share of rows each LDS subset drops"),
+             preconditioner: Optional[List[str]] = typer.Option(None, "--preconditioner", help="Score with this "
+                                                                "preconditioner (repeatable; default: the config's)")):
+    """Leave-one-out and LDS on deterministic retrains: do the scores predict the change? Writes OUT/fidelity.json."""
+
+    def body():
+        from .fidelity import print_fidelity, run_fidelity
+
+        cfg = _load(config, set)
+        res = run_fidelity(cfg, loo=loo, subsets=subsets, frac=frac, preconditioners=preconditioner or None,
+                           console=out)
+        print_fidelity(res, out)
+        out.print(f"fidelity: {cfg.output_dir / 'fidelity.json'}")
 
     _run(body)
 

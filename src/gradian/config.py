@@ -117,7 +117,9 @@ class Config(_Section):
         p = self.path(value)
         if p is not None and p.exists():
             return str(p)
-        looks_local = value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1
+        first = Path(value).parts[0] if Path(value).parts else value
+        looks_local = (value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1
+                       or (self.root is not None and (Path(self.root) / first).exists()))
         if looks_local or (key == "model.adapter" and "/" not in value):
             raise ConfigError(f"{key}: '{value}' does not exist (resolved to {p}); relative paths resolve against the "
                               "config file" + ("; run `gradian train CONFIG` to create the adapter" if key == "model.adapter" else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,9 @@ from .data import Tokenized, collate
 from .index import GradientIndex
 from .modeling import LoraSite, dir_fingerprint
 from .progress import progress_bar
-from .projection import Projector
+from .projection import BASIS_FILE, Projector
+
+log = logging.getLogger(__name__)
 
 # Bump when the gradient definition changes (loss, masks, projection scheme): old caches become foreign.
 GRADIENT_VERSION = 1
@@ -58,11 +61,55 @@ def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adap
         "adapter": dir_fingerprint(adapter_path),
         "dtype": cfg.model.dtype,
         "sites": [s.name for s in sites],
-        "projection": projector.describe(),
+        "projection": projector.spec(),  # settings only: a fitted basis is bound to the index by its sha256
         "storage_dtype": g.storage_dtype,
         "max_seq_length": g.max_seq_length,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def basis_sample(toks: Sequence[Tokenized], n: int, seed: int) -> list[int]:
+    """Positions of the rows a data-aware basis is fitted on: a seeded sample of the rows with supervised tokens,
+    in (length, position) order so the batches, and so the bits, are the same on every run."""
+    cand = [i for i, t in enumerate(toks) if t.n_supervised > 0]
+    if len(cand) > n:
+        pick = np.random.default_rng([int(seed), 0x62617369]).choice(len(cand), size=n, replace=False)
+        cand = [cand[j] for j in sorted(pick.tolist())]
+    return sorted(cand, key=lambda i: (len(toks[i].input_ids), i))
+
+
+def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], root: Path, pad_id: int):
+    """A data-aware projector's basis: loaded from `root/projection_basis.safetensors` when that file was fitted
+    for these settings, else fitted on `basis_sample` rows with exact per-example gradients (a first pass of
+    `projector.fit_rows` rows) and written there. Returns its sha256; None for the random kinds. Once stored, the
+    basis stays with the index: rows added later are projected with it, so every stored vector shares one basis."""
+    proj = capture.projector
+    if proj.kind != "data-aware" or proj.exact:
+        return None
+    path = root / BASIS_FILE
+    if proj.basis is None and path.exists():
+        try:
+            return proj.load_basis(path)
+        except (OSError, ValueError) as e:
+            log.warning("projection basis %s cannot be used (%s); fitting a new one", path, e)
+    if proj.basis is None:
+        positions = basis_sample(toks, proj.fit_rows, proj.seed)
+        if not positions:
+            raise ValueError("a data-aware projection needs training rows with supervised tokens to fit on")
+        device = next(capture.model.parameters()).device
+        fitter = proj.fitter()
+        bs = cfg.grads.batch_size
+        with progress_bar("fit projection", total=len(positions)) as bar:
+            for s in range(0, len(positions), bs):
+                batch = positions[s : s + bs]
+                ids, attn, sup = collate([toks[i] for i in batch], pad_id)
+                per_site, _ = capture.site_grads(ids.to(device), attn.to(device), sup.to(device))
+                fitter.update_all(per_site)
+                bar.advance(len(batch))
+        proj.set_basis(fitter.finish())
+    elif proj.basis_sha256 and path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == proj.basis_sha256:
+        return proj.basis_sha256
+    return proj.save_basis(path)
 
 
 def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], *, key: str, pad_id: int,
@@ -72,9 +119,16 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
     row_keys = [t.row_key() for t in toks]
     root = cfg.index_dir / key
     bs = cfg.grads.batch_size
+    store_key = key
+    sha = ensure_basis(cfg, capture, toks, root, pad_id)
+    if sha is not None:
+        # Shards are only valid with the basis they were projected with: an index built with another basis
+        # (a refit after the file was lost or changed) has another store key, so `open` moves it aside.
+        store_key = f"{key}+basis-{sha[:16]}"
+        meta = {**meta, "projection": capture.projector.describe(), "projection_basis": {"file": BASIS_FILE, "sha256": sha}}
     # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run.
     shard_rows = -(-cfg.grads.shard_rows // bs) * bs
-    index = GradientIndex.open(root, key=key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
+    index = GradientIndex.open(root, key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
                                shard_rows=shard_rows)
     missing = index.missing(row_keys)
     # Deduplicate identical rows: one capture serves all of them.

@@ -20,7 +20,15 @@ def configure_threads(threads: Optional[int] = None) -> int:
     """
     global _configured
     env = os.environ.get("GRADIAN_THREADS")
-    n = threads or (int(env) if env else 1)
+    if threads is None and env:
+        try:
+            threads = int(env)
+            assert threads >= 1
+        except (ValueError, AssertionError):
+            from .errors import ConfigError
+
+            raise ConfigError(f"GRADIAN_THREADS={env!r}: expected a positive integer") from None
+    n = threads or 1
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     if not _configured:

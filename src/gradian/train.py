@@ -20,7 +20,7 @@ import torch
 
 from .config import Config
 from .data import collate, dataset_fingerprint, load_train, tokenize_example
-from .errors import ModelError
+from .errors import ConfigError, DataError, ModelError
 from .loss import per_example_loss
 from .modeling import dir_fingerprint, load_base, load_tokenizer
 from .progress import progress_bar
@@ -65,7 +65,10 @@ def train_adapter(
         r=hp["lora_r"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
         target_modules=hp["target_modules"], task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, lcfg)
+    try:
+        model = get_peft_model(base, lcfg)
+    except ValueError as e:
+        raise ConfigError(f"train.target_modules {hp['target_modules']}: {e}") from None
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
@@ -74,17 +77,19 @@ def train_adapter(
     device = next(model.parameters()).device
     n_steps = sum(len(ep) for ep in order)
     gen = torch.Generator().manual_seed(seed)
-    with progress_bar("train", total=n_steps, unit="steps") as bar:
+    with progress_bar("train", total=n_steps if progress else 0, unit="steps") as bar:
         for epoch in order:
             for batch in epoch:
                 ids, attn, sup = collate([toks[i] for i in batch], pad)
                 weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
                 n_tok = float((sup[:, 1:].sum(1).float() * weights).sum())
+                # Dropout masks drawn from our own generator keep replays identical when dropout is on. The seed
+                # is drawn before a fully excluded batch is skipped, so later steps keep their masks.
+                step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
                 if n_tok == 0:
                     bar.advance()
                     continue
-                # Dropout masks drawn from our own generator keep replays identical when dropout is on.
-                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+                torch.manual_seed(step_seed)
                 losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
                 loss = (losses * weights.to(device)).sum() / n_tok
                 opt.zero_grad(set_to_none=True)
@@ -127,4 +132,10 @@ def read_recipe(adapter_dir: str | Path) -> Optional[dict]:
     p = Path(adapter_dir) / RECIPE_FILE
     if not p.exists():
         return None
-    return json.loads(p.read_text())
+    try:
+        rec = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{p}: unreadable recipe ({e}); delete it or fix the JSON") from None
+    if not isinstance(rec, dict):
+        raise DataError(f"{p}: a recipe must be a JSON object")
+    return rec
