@@ -41,7 +41,7 @@ class GradsConfig(_Section):
     module_filter: Optional[list[str]] = None
     storage_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     projection_dim: Optional[int] = Field(default=None, ge=1)
-    projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "rademacher"
+    projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "data-aware"
     projection_seed: int = 0
     rerank: int = Field(default=200, ge=0)
     fidelity_sample: int = Field(default=512, ge=0)
@@ -81,6 +81,7 @@ class TrainConfig(_Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     weight_decay: float = Field(default=0.0, ge=0.0)
+    max_grad_norm: Optional[float] = Field(default=1.0, gt=0.0)
     max_seq_length: int = Field(default=512, ge=8)
     output: Optional[str] = None
 

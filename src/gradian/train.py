@@ -94,6 +94,8 @@ def train_adapter(
                 loss = (losses * weights.to(device)).sum() / n_tok
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if hp.get("max_grad_norm"):
+                    torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
                 opt.step()
                 bar.advance()
     model.eval()

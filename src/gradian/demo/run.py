@@ -14,7 +14,8 @@ from ..config import load_config
 from ..report import atomic_write_text, print_summary
 
 # The demo's training recipe: enough for the LoRA to learn the planted facts from one row each.
-DEMO_TRAIN = {"learning_rate": 2e-3, "epochs": 3, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0}
+DEMO_TRAIN = {"learning_rate": 1e-3, "epochs": 8, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
+              "max_grad_norm": 1.0}
 
 
 def write_demo_config(run_dir: Path, base: Path, *, train: Optional[dict] = None, extra: Optional[dict] = None) -> Path:
