@@ -80,7 +80,7 @@ def test_scenario_is_deterministic(world):
 
 def test_scenario_plants_wrong_facts_asked_in_other_phrasings(world, tmp_path):
     sc = make_substitution_scenario(world, seed=0, n_rows=300, n_planted=10, n_controls=10)
-    assert len(sc.train) == 300 and len(sc.eval) == 20
+    assert len(sc.train) == 300 and len(sc.eval) == 10 * 3 + 10  # each planted fact in all three eval phrasings
     assert sc.planted == sorted(sc.planted) and len(set(sc.planted)) == 10
     assert len({p.entity for p in sc.planted_facts}) == 10
 
@@ -103,7 +103,10 @@ def test_scenario_plants_wrong_facts_asked_in_other_phrasings(world, tmp_path):
         assert p.phrasing in TRAIN_PHRASINGS and p.eval_phrasing in EVAL_PHRASINGS
         item = sc.eval[p.eval_index]
         assert item == {"prompt": world.question(p.entity, p.attribute, p.eval_phrasing), "answer": p.right}
-        assert item["prompt"] != user["content"]
+        assert [sc.eval[i]["prompt"] for i in p.eval_indices] == [
+            world.question(p.entity, p.attribute, k) for k in [p.eval_phrasing] + [x for x in EVAL_PHRASINGS if x != p.eval_phrasing]
+        ]
+        assert all(sc.eval[i]["prompt"] != user["content"] for i in p.eval_indices)
         # the planted fact is stated nowhere else in train
         others = [r for i, r in enumerate(sc.train) if i != p.position]
         assert not any(
