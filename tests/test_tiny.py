@@ -124,7 +124,7 @@ def test_scenario_plants_wrong_facts_asked_in_other_phrasings(world, tmp_path):
     evals = [json.loads(x) for x in (d / "eval.jsonl").read_text().splitlines()]
     truth = json.loads((d / "truth.json").read_text())
     assert train == sc.train and evals == sc.eval and truth["planted"] == sc.planted
-    assert truth["target_eval_items"] == [p.eval_index for p in sc.planted_facts]
+    assert truth["target_eval_items"] == [i for p in sc.planted_facts for i in p.eval_indices]
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
