@@ -13,7 +13,8 @@ from rich.console import Console
 from .errors import GradianError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Which training examples did this to my LoRA fine-tune?")
-out = Console()
+# Wide enough for the ranking table when output goes to a file or a pipe (rich falls back to 80 columns there).
+out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True)
 _state = {"debug": False}
 
@@ -228,6 +229,9 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
 
 
 def main() -> None:
+    from .runtime import quiet_libraries
+
+    quiet_libraries()
     app()
 
 

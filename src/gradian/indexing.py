@@ -99,13 +99,15 @@ def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized
         device = next(capture.model.parameters()).device
         fitter = proj.fitter()
         bs = cfg.grads.batch_size
-        with progress_bar("fit projection", total=len(positions)) as bar:
-            for s in range(0, len(positions), bs):
-                batch = positions[s : s + bs]
-                ids, attn, sup = collate([toks[i] for i in batch], pad_id)
-                per_site, _ = capture.site_grads(ids.to(device), attn.to(device), sup.to(device))
-                fitter.update_all(per_site)
-                bar.advance(len(batch))
+        with progress_bar("fit projection", total=fitter.passes * len(positions)) as bar:
+            for _ in range(fitter.passes):  # the same batches each pass: wide-side directions, then site PCA
+                for s in range(0, len(positions), bs):
+                    batch = positions[s : s + bs]
+                    ids, attn, sup = collate([toks[i] for i in batch], pad_id)
+                    per_site, _ = capture.site_grads(ids.to(device), attn.to(device), sup.to(device))
+                    fitter.update_all(per_site)
+                    bar.advance(len(batch))
+                fitter.end_pass()
         proj.set_basis(fitter.finish())
     elif proj.basis_sha256 and path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == proj.basis_sha256:
         return proj.basis_sha256
@@ -125,7 +127,8 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
         # Shards are only valid with the basis they were projected with: an index built with another basis
         # (a refit after the file was lost or changed) has another store key, so `open` moves it aside.
         store_key = f"{key}+basis-{sha[:16]}"
-        meta = {**meta, "projection": capture.projector.describe(), "projection_basis": {"file": BASIS_FILE, "sha256": sha}}
+        meta = {**meta, "projection": capture.projector.describe(), "block_dims": capture.projector.site_dims(),
+                "projection_basis": {"file": BASIS_FILE, "sha256": sha}}
     # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run.
     shard_rows = -(-cfg.grads.shard_rows // bs) * bs
     index = GradientIndex.open(root, key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,

@@ -61,3 +61,18 @@ def resolve_device(name: str) -> torch.device:
 
         raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'")
     return torch.device(name)
+
+
+def quiet_libraries() -> None:
+    """Gradian draws its own progress; the libraries' loading bars and deprecation chatter are noise to a user."""
+    import warnings
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)\.")
+    warnings.filterwarnings("ignore", message=r".*save_embedding_layers.*")
