@@ -32,3 +32,4 @@ def make_random_lora_model(seed: int = 0, vocab: int = 97, hidden: int = 32, lay
 @pytest.fixture
 def random_lora_model():
     return make_random_lora_model()
+import gradian.runtime as _r; _r.quiet_libraries()

@@ -1,0 +1,89 @@
+"""The whole path on the built-in tiny model: train the poisoned adapter, attribute, check the report and the sign."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from gradian import api
+from gradian.config import load_config
+from gradian.demo.run import prepare_demo
+from gradian.query import query_items, query_vectors, select_failing
+from gradian.scoring import harm_from_inner, recall_at_k, unit_queries
+from gradian.train import train_adapter
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("demo")
+    cfg_path = prepare_demo(run, progress=False)
+    cfg = load_config(cfg_path)
+    train_adapter(cfg)
+    truth = json.loads((run / "truth.json").read_text())
+    report = api.attribute(cfg, truth=truth)
+    return run, cfg_path, truth, report
+
+
+def test_attribute_writes_a_report_with_the_schema_fields(demo_run):
+    run, _, truth, report = demo_run
+    on_disk = json.loads((run / "report.json").read_text())
+    assert on_disk["schema"] == "gradian.report/1"
+    for key in ("verdict", "flags", "capability", "query", "ranking", "clusters", "spans", "index", "timings"):
+        assert key in on_disk, key
+    cap = on_disk["capability"]
+    for key in ("metric", "n", "base", "tuned", "delta", "ci", "confidence", "significant"):
+        assert key in cap, key
+    assert on_disk["verdict"] == "attributed" and cap["significant"] and cap["delta"] < 0
+    row = on_disk["ranking"][0]
+    for key in ("rank", "position", "id", "score", "preview", "base_loss", "tuned_loss"):
+        assert key in row, key
+    assert row["id"].startswith(f"train-{row['position']:06d}-")
+    assert on_disk["index"]["examples"] == 300
+    scores = np.load(run / "scores.npy")
+    assert scores.shape == (300,)
+    assert [r["position"] for r in on_disk["ranking"]] == np.argsort(-scores, kind="stable")[: len(on_disk["ranking"])].tolist()
+    items = on_disk["query"]["items"]
+    assert items and all(i["ranking"] and i["generated"] != i["expected"] for i in items)
+    assert (run / "report.html").exists()
+
+
+def test_planted_rows_rank_at_the_top_as_harmful(demo_run):
+    run, _, truth, report = demo_run
+    scores = np.load(run / "scores.npy")
+    assert recall_at_k(scores, truth["planted"], 10) >= 0.9
+    assert all(scores[p] > 0 for p in truth["planted"])  # harmful has a positive score
+
+
+def test_a_row_duplicating_a_query_item_ranks_first_as_helpful(demo_run, tmp_path):
+    run, cfg_path, truth, _ = demo_run
+    work = tmp_path / "dup"
+    shutil.copytree(run, work, ignore=shutil.ignore_patterns("index"))
+    cfg = load_config(work / "gradian.yaml")
+    s = api.open_session(cfg)
+    cap = api.evaluate(s)
+    failing, _ = select_failing(cap, s.eval_items)
+    item = s.eval_items[failing[0]]
+    dup = {"messages": [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.answer}]}
+    with open(work / "train.jsonl", "a") as f:
+        f.write(json.dumps(dup) + "\n")
+    s = api.open_session(cfg)
+    capture, idx, keys, _ = api.index(s)
+    q = query_items(cap, s.eval_items, [failing[0]], "contrastive")
+    qv = query_vectors(capture, s.tokenizer, s.eval_items, q, chat=True, max_len=256, batch_size=8).numpy()
+    per_item = harm_from_inner(idx.score(unit_queries(qv), keys))[0]
+    idx.close()
+    assert int(np.argmin(per_item)) == len(keys) - 1  # the duplicate is the most helpful row
+    planted_for_item = [p["position"] for p in truth["planted_facts"] if failing[0] in p["eval_indices"]]
+    assert int(np.argmax(per_item)) in planted_for_item  # and that item's planted row the most harmful
+
+
+def test_rerun_is_bit_identical(demo_run, tmp_path):
+    run, _, truth, _ = demo_run
+    work = tmp_path / "again"
+    shutil.copytree(run, work, ignore=shutil.ignore_patterns("index", "report*", "scores.npy"))
+    api.attribute(load_config(work / "gradian.yaml"), truth=truth)
+    assert np.array_equal(np.load(work / "scores.npy"), np.load(run / "scores.npy"))
+    a = json.loads((work / "report.json").read_text())
+    b = json.loads((run / "report.json").read_text())
+    assert a["ranking"] == b["ranking"] and a["capability"] == b["capability"]
