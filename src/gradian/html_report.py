@@ -293,6 +293,11 @@ def _capability(cap: Mapping[str, Any]) -> dict[str, Any]:
     for i, it in enumerate(_list(cap.get("items"))):
         it = _dict(it)
         bc, tc = it.get("base_correct"), it.get("tuned_correct")
+        if bc is None and tc is None and cap.get("metric") in ("exact_match", "contains"):
+            # capability.json carries per-item metric values; for 0/1 metrics they are the correct marks
+            bs, ts = it.get("base_score"), it.get("tuned_score")
+            if isinstance(bs, (int, float)) and isinstance(ts, (int, float)):
+                bc, tc = bs >= 1.0, ts >= 1.0
         if bc is True and tc is False:
             status, order = "regressed", 0
         elif bc is False and tc is True:
