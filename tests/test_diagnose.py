@@ -389,7 +389,8 @@ def test_memory_logit_upcast(tmp_path, zoo, monkeypatch):
 
 
 def test_index_size(tmp_path, zoo, monkeypatch):
-    cfg = load_config(run(tmp_path, zoo), ["grads.storage_dtype=bfloat16", "grads.projection_dim=256"])
+    cfg = load_config(run(tmp_path, zoo), ["grads.storage_dtype=bfloat16", "grads.projection_dim=256",
+                                                    "grads.projection_kind=rademacher"])
     ctx = Context(cfg)
     (r,) = run_checks(ctx, ["index.size"])
     assert r.status == "pass"
@@ -408,7 +409,8 @@ def test_index_size(tmp_path, zoo, monkeypatch):
     assert (r.status, r.level) == ("fail", "warning") and str(cfg.index_dir) in r.message
     # a projection width the sites cannot have is an error (the index verb would refuse it)
     monkeypatch.undo()
-    (r,) = run_checks(Context(load_config(run(tmp_path, zoo), ["grads.projection_dim=8"])), ["index.size"])
+    (r,) = run_checks(Context(load_config(run(tmp_path, zoo), ["grads.projection_dim=8",
+                                                                   "grads.projection_kind=rademacher"])), ["index.size"])
     assert (r.status, r.level) == ("fail", "error") and "grads.projection_dim" in r.message
 
 

@@ -80,9 +80,10 @@ def basis_sample(toks: Sequence[Tokenized], n: int, seed: int) -> list[int]:
 
 def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], root: Path, pad_id: int):
     """A data-aware projector's basis: loaded from `root/projection_basis.safetensors` when that file was fitted
-    for these settings, else fitted on `basis_sample` rows with exact per-example gradients (a first pass of
-    `projector.fit_rows` rows) and written there. Returns its sha256; None for the random kinds. Once stored, the
-    basis stays with the index: rows added later are projected with it, so every stored vector shares one basis."""
+    for these settings, else fitted on `basis_sample` rows with exact per-example gradients (two capture passes
+    over at most `projector.fit_rows` rows, before the index build) and written there. Returns its sha256; None
+    for the random kinds. Once stored, the basis stays with the index: rows added later are projected with it, so
+    every stored vector shares one basis."""
     proj = capture.projector
     if proj.kind != "data-aware" or proj.exact:
         return None

@@ -302,7 +302,8 @@ class BasisFitter:
 
     def end_pass(self) -> None:
         if self.passes == 2 and self.pass_no == 0:
-            self.stage1 = {key: fit.top(self.p.k1(self.p.site(key[0]), key[1])) for key, fit in self.stage1_fits.items()}
+            self.stage1 = {(name, side): fit.top(self.p.k1(self.p.site(name), side))
+                           for (name, side), fit in self.stage1_fits.items()}
             self.stage1_fits = {}
         self.pass_no += 1
 
