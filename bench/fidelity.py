@@ -1,0 +1,477 @@
+"""Attribution fidelity on the scenario suite: every preconditioner and every baseline, scored by one harness.
+
+    .venv/bin/python bench/fidelity.py --quick        # under 10 minutes on 2 CPU cores (tiny bases cached)
+    .venv/bin/python bench/fidelity.py                # every scenario, 3 seeds (20 for the null fine-tune)
+    .venv/bin/python bench/fidelity.py --scenarios substitution,null --seeds 0,1 --methods identity,bm25
+
+For each scenario x seed (`gradian.demo.scenarios`): write the scenario, train its LoRA once with the scenario's
+recipe (an adapter whose recorded recipe and data match is reused), then run `gradian.api.attribute` once per
+preconditioner (the gradient index is cached by key and shared by every run of that adapter), then the baselines
+(`gradian.baselines`: representation similarity, BM25, gradient cosine) on the same failing items.
+
+Figures (means over seeds; "n/a" where a method or the report does not give the field):
+  auprc, r@k      AUPRC and recall@k of the planted rows in the aggregate ranking (k = number of planted rows)
+  top1, top5      per failing target item: is one of its planted rows the item's top-1 (top-5) row
+  span            per failing target item: does the top span of its planted row (ranking[i].top_span) overlap the
+                  planted sentence / turn (a planted row outside the report's top rows counts as a miss)
+  cluster         paraphrase scenario: a reported cluster (passing the permutation test + BH) with Jaccard >= 0.5
+                  against the planted poisons; baselines run through the same `clusters.score_clusters`
+  declined        null fine-tune: fraction of seeds whose verdict is `declined`
+  cpu_s           CPU seconds of that method (attribute incl. evaluation, or the baseline alone)
+
+Prints the tables and the acceptance checks, then ONE JSON object as the last line. One CPU thread throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+os.environ.setdefault("GRADIAN_THREADS", "1")
+os.environ.setdefault("GRADIAN_PROGRESS", "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+PRECONDITIONERS = ["identity", "diagonal", "fisher", "datainf"]
+BASELINE_METHODS = ["repsim", "bm25", "gradcos"]
+FULL_SEEDS = {"substitution": [0, 1, 2], "conversation4": [0, 1, 2], "conversation8": [0, 1, 2], "buried": [0, 1, 2],
+              "cluster": [0, 1, 2], "format": [0, 1, 2], "null": list(range(20))}
+QUICK_SEEDS = {"substitution": [0], "conversation4": [0], "buried": [0], "cluster": [0], "format": [0],
+               "null": [0, 1]}
+QUICK_PRECONDITIONERS = None  # None: every preconditioner in quick mode too
+MAIN_FIGURE = {"substitution": "auprc", "conversation4": "top1", "conversation8": "top1", "buried": "top5",
+               "cluster": "cluster", "format": "auprc", "null": "declined"}
+TARGETS = {"substitution.auprc": 0.95, "conversation4.top1": 0.9, "buried.top5": 0.9, "buried.span": 0.95,
+           "null.declined": 0.95}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fmt(c) -> str:
+    if c is None:
+        return "n/a"
+    if isinstance(c, bool):
+        return "yes" if c else "no"
+    if isinstance(c, float):
+        if c != c:
+            return "n/a"
+        return f"{c:.3f}" if abs(c) < 1000 else f"{c:.0f}"
+    return str(c)
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w[i]) if i > 1 else c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
+    return "\n".join([f"== {title}", line(cells[0]), "  ".join("-" * x for x in w)] + [line(r) for r in cells[1:]])
+
+
+def mean(xs) -> Optional[float]:
+    xs = [float(x) for x in xs if x is not None and x == x]
+    return float(np.mean(xs)) if xs else None
+
+
+# ------------------------------------------------------------------------------------------------ scenario runs
+def default_preconditioner() -> str:
+    from gradian.config import AttributionConfig
+
+    return AttributionConfig().preconditioner
+
+
+def prepare(name: str, seed: int, out: Path):
+    """Scenario files + gradian.yaml in out/<name>-s<seed>; returns (scenario, run dir, config path, base)."""
+    from transformers import AutoTokenizer
+
+    from gradian.demo.run import write_demo_config
+    from gradian.demo.scenario import write_scenario
+    from gradian.demo.scenarios import make_scenario, scenario_base
+    from gradian.demo.world import World
+
+    world = World.generate(seed=0, n_entities=64)
+    base = scenario_base(name, progress=False)
+    kw = {}
+    if name == "buried":  # exact document lengths with the model's own tokenizer
+        tok = AutoTokenizer.from_pretrained(base)
+        kw["count_tokens"] = lambda t: len(tok(t, add_special_tokens=False)["input_ids"]) + 2  # + bos, eos
+    sc = make_scenario(name, world, seed, **kw)
+    d = out / f"{name}-s{seed}"
+    write_scenario(sc, d)
+    md = sc.metadata
+    extra = {"grads": {**md.get("grads", {}), "cache_dir": "index"}, "evaluation": dict(md.get("evaluation", {}))}
+    train = dict(md.get("train", {}))
+    if "max_seq_length" in extra["grads"]:
+        train.setdefault("max_seq_length", extra["grads"]["max_seq_length"])
+    cfg_path = write_demo_config(d, base, train=train, extra=extra)
+    return sc, d, cfg_path, base
+
+
+def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> tuple[Path, float, bool]:
+    """Train the scenario's LoRA unless an adapter with the same recipe and data is there; (dir, cpu s, reused)."""
+    from gradian.config import load_config
+    from gradian.data import dataset_fingerprint, load_train
+    from gradian.train import read_recipe, train_adapter
+
+    cfg = load_config(cfg_path, [f"model.adapter={adapter}"])
+    out = cfg.adapter_out
+    rec = read_recipe(out) if out.exists() else None
+    hp = cfg.train.model_dump(exclude={"output"})
+    fp = dataset_fingerprint(load_train(cfg.path(cfg.data.train)))
+    if (rec and rec.get("hyperparameters") == json.loads(json.dumps(hp)) and rec.get("dataset_fingerprint") == fp
+            and rec.get("seed") == cfg.seed and sorted(rec.get("excluded_positions", [])) == sorted(exclude)
+            and (out / "adapter_model.safetensors").exists()):
+        return out, 0.0, True
+    t0 = time.process_time()
+    train_adapter(cfg, exclude=exclude, progress=False)
+    return out, time.process_time() - t0, False
+
+
+def overlap(span: dict, truth: dict) -> bool:
+    lo = truth.get("turn_start", truth["start"])
+    return int(span["start"]) < int(truth["end"]) and int(span["end"]) > int(lo)
+
+
+def jaccard(a, b) -> float:
+    a, b = set(a), set(b)
+    return len(a & b) / len(a | b) if a | b else 0.0
+
+
+def figures(scores: Optional[np.ndarray], item_rankings: dict[int, list[int]], truth: dict,
+            report: Optional[dict] = None, clusters: Optional[list] = None) -> dict[str, Any]:
+    """Every figure of one method on one run."""
+    from gradian.scoring import auprc, rank, recall_at_k
+
+    planted = list(truth.get("planted") or [])
+    item_planted = {int(k): v for k, v in (truth.get("item_planted") or {}).items()}
+    f: dict[str, Any] = {}
+    if scores is not None and planted:
+        f["auprc"] = auprc(scores, planted)
+        f["recall_at_k"] = recall_at_k(scores, planted, len(planted))
+        f["recall_at_10"] = recall_at_k(scores, planted, 10)
+        top = int(rank(scores, 1)[0])
+        f["top1_planted"] = top in set(planted)
+    targets = [i for i in item_rankings if i in item_planted]
+    f["failing_items"] = len(item_rankings)
+    f["failing_target_items"] = len(targets)
+    if targets:
+        f["top1"] = mean([bool(item_rankings[i]) and item_rankings[i][0] in item_planted[i] for i in targets])
+        f["top5"] = mean([bool(set(item_rankings[i][:5]) & set(item_planted[i])) for i in targets])
+    spans_truth = {int(s["position"]): s for s in truth.get("planted_spans") or []}
+    if report is not None and targets and spans_truth:
+        rows = {int(r["position"]): r for r in report.get("ranking") or []}
+        have_spans = any("top_span" in r for r in rows.values())
+        if have_spans:
+            hits = []
+            for i in targets:
+                ok = False
+                for p in item_planted[i]:
+                    r, t = rows.get(int(p)), spans_truth.get(int(p))
+                    if r is not None and t is not None and r.get("top_span"):
+                        ok = ok or overlap(r["top_span"], t)
+                hits.append(ok)
+            f["span"] = mean(hits)
+    if truth.get("cluster") and clusters is not None:
+        best = max(clusters, key=lambda c: jaccard(c["positions"], truth["cluster"]), default=None)
+        j = jaccard(best["positions"], truth["cluster"]) if best else 0.0
+        f["cluster"] = j >= 0.5
+        f["cluster_jaccard"] = j
+        f["cluster_p"] = best.get("p_value") if best else None
+        f["cluster_q"] = best.get("q_value") if best else None
+        f["cluster_size"] = len(best["positions"]) if best else 0
+        f["clusters_passing"] = len(clusters)
+    return f
+
+
+def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_checks: int) -> dict:
+    """Train once, attribute with each preconditioner, score the baselines; the figures of every method."""
+    from gradian.api import attribute, index, open_session
+    from gradian.baselines import compute_baselines
+    from gradian.config import load_config
+    from gradian.scoring import aggregate, rank
+
+    t_run = time.process_time()
+    sc, d, cfg_path, base = prepare(name, seed, out)
+    truth = json.loads((d / "truth.json").read_text())
+    _, train_cpu, reused = ensure_adapter(cfg_path)
+    res: dict[str, Any] = {"scenario": name, "seed": seed, "dir": str(d), "train_cpu_s": round(train_cpu, 2),
+                           "adapter_reused": reused, "recipe": truth.get("train"), "methods": {}}
+    default = default_preconditioner()
+    preconds = [m for m in methods if m in PRECONDITIONERS]
+    if name == "null":
+        preconds = [default]
+    if default in preconds:
+        preconds = [default] + [p for p in preconds if p != default]
+    reports: dict[str, dict] = {}
+    for p in preconds:
+        cfg = load_config(cfg_path, [f"attribution.preconditioner={p}", f"output=out-{p}"])
+        t0 = time.process_time()
+        try:
+            rep = attribute(cfg, truth=truth)
+        except Exception as e:  # a method that fails is reported, not fatal
+            log(f"  {name} s{seed} {p}: attribute failed: {type(e).__name__}: {e}")
+            res["methods"][p] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        cpu = time.process_time() - t0
+        reports[p] = rep
+        scores = None
+        if (cfg.output_dir / "scores.npy").exists() and rep.get("verdict") == "attributed":
+            scores = np.load(cfg.output_dir / "scores.npy")
+        items = {int(q["item"]): [int(r["position"]) for r in q.get("ranking", [])]
+                 for q in (rep.get("query") or {}).get("items", [])}
+        f = figures(scores, items, truth, rep, rep.get("clusters"))
+        f["verdict"] = rep.get("verdict")
+        f["cpu_s"] = round(cpu, 2)
+        pc = (rep.get("query") or {}).get("preconditioner")
+        f["preconditioner_reported"] = pc if pc is not None else "n/a"
+        res["methods"][p] = f
+    rep = reports.get(default) or next(iter(reports.values()), None)
+    if rep is not None:
+        cap = rep.get("capability") or {}
+        per = {int(it["item"]): it for it in cap.get("items", [])}
+        tg, ct = truth.get("target_eval_items") or [], truth.get("control_eval_items") or []
+        res["failure"] = {
+            "base_target": mean([per[i]["base_score"] for i in tg if i in per]),
+            "tuned_target": mean([per[i]["tuned_score"] for i in tg if i in per]),
+            "base_control": mean([per[i]["base_score"] for i in ct if i in per]),
+            "tuned_control": mean([per[i]["tuned_score"] for i in ct if i in per]),
+            "delta": cap.get("delta"), "ci": cap.get("ci"), "verdict": rep.get("verdict"),
+        }
+    base_methods = [m for m in methods if m in BASELINE_METHODS]
+    if rep is not None and rep.get("verdict") == "attributed" and base_methods:
+        qitems = (rep.get("query") or {}).get("items") or []
+        cfg = load_config(cfg_path, [f"output=out-{default}"])
+        t0 = time.process_time()
+        s = open_session(cfg)
+        capture, idx, row_keys, _info = index(s)
+        timings: dict[str, float] = {}
+        try:
+            per_item = compute_baselines(s, qitems, which=base_methods, capture=capture, index=idx, row_keys=row_keys,
+                                         timings=timings)
+            shared = time.process_time() - t0 - sum(timings.values())
+            for m, pi in per_item.items():
+                agg = aggregate(pi)
+                items = {int(q["item"]): rank(row, 10).tolist() for q, row in zip(qitems, pi)}
+                clusters = None
+                if truth.get("cluster"):
+                    clusters = _clusters_for(agg, s, idx, row_keys, cfg.seed)
+                f = figures(agg, items, truth, None, clusters)
+                f["cpu_s"] = round(timings.get(m, 0.0) + shared / max(len(per_item), 1), 2)
+                res["methods"][m] = f
+        finally:
+            idx.close()
+    if name == "cluster" and single_checks:
+        res["single_poison"] = single_poison_checks(cfg_path, truth, single_checks)
+    res["cpu_s"] = round(time.process_time() - t_run, 2)
+    return res
+
+
+def _clusters_for(scores, s, idx, row_keys, seed):
+    try:
+        from gradian.clusters import score_clusters
+        from gradian.precondition import RowSource
+    except ImportError:
+        return None
+    return score_clusters(scores, [e.plain_text() for e in s.examples], seed=seed,
+                          gradients=RowSource(index=idx, row_keys=row_keys))["clusters"]
+
+
+def single_poison_checks(cfg_path: Path, truth: dict, n: int) -> list[dict]:
+    """Retrain with all but one poison zero-weighted: does that one row alone flip the target items?"""
+    from gradian.api import evaluate, open_session
+    from gradian.config import load_config
+
+    out = []
+    poisons = list(truth["cluster"])
+    keep_list = [poisons[int(round(i * (len(poisons) - 1) / max(n - 1, 1)))] for i in range(n)]
+    for keep in keep_list:
+        name = f"adapter-single-{keep}"
+        ensure_adapter(cfg_path, adapter=name, exclude=[p for p in poisons if p != keep])
+        cfg = load_config(cfg_path, [f"model.adapter={name}", f"output=out-single-{keep}"])
+        s = open_session(cfg)
+        cap = evaluate(s)
+        tg = truth["target_eval_items"]
+        out.append({"kept": keep, "tuned_target": mean([cap.tuned_scores[i] for i in tg]),
+                    "base_target": mean([cap.base_scores[i] for i in tg]), "significant": bool(cap.significant),
+                    "delta": cap.delta})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def summarize(runs: list[dict], methods: list[str]) -> dict:
+    by: dict[str, dict] = {}
+    for r in runs:
+        by.setdefault(r["scenario"], []).append(r)
+    out: dict[str, Any] = {}
+    keys = ["auprc", "recall_at_k", "recall_at_10", "top1", "top5", "span", "cluster", "cluster_jaccard",
+            "top1_planted", "cpu_s"]
+    for name, rs in by.items():
+        ms: dict[str, Any] = {}
+        for m in methods:
+            fs = [r["methods"][m] for r in rs if m in r["methods"] and "error" not in r["methods"][m]]
+            if not fs:
+                continue
+            agg = {k: mean([f.get(k) for f in fs]) for k in keys}
+            agg["seeds"] = len(fs)
+            agg["failing_target_items"] = int(sum(f.get("failing_target_items", 0) for f in fs))
+            agg["verdicts"] = [f.get("verdict") for f in fs if "verdict" in f]
+            if name == "null" and agg["verdicts"]:
+                agg["declined"] = mean([v == "declined" for v in agg["verdicts"]])
+            rp = {f.get("preconditioner_reported") for f in fs if "preconditioner_reported" in f}
+            if rp:
+                agg["preconditioner_reported"] = sorted(str(x) for x in rp)
+            ms[m] = agg
+        out[name] = {
+            "seeds": [r["seed"] for r in rs],
+            "main_figure": MAIN_FIGURE.get(name),
+            "recipe": rs[0].get("recipe"),
+            "failure": {k: mean([(r.get("failure") or {}).get(k) for r in rs])
+                        for k in ("base_target", "tuned_target", "base_control", "tuned_control", "delta")},
+            "train_cpu_s": round(sum(r["train_cpu_s"] for r in rs), 2),
+            "cpu_s": round(sum(r["cpu_s"] for r in rs), 2),
+            "methods": ms,
+        }
+        if any("single_poison" in r for r in rs):
+            sp = [x for r in rs for x in r.get("single_poison", [])]
+            out[name]["single_poison"] = {"checks": len(sp),
+                                          "flipped": sum(1 for x in sp if (x["tuned_target"] or 0) < 0.5),
+                                          "tuned_target": mean([x["tuned_target"] for x in sp])}
+    return out
+
+
+def acceptance(summary: dict, default: str) -> list[dict]:
+    def get(name, fig, method=default):
+        return ((summary.get(name) or {}).get("methods") or {}).get(method, {}).get(fig)
+
+    checks = []
+
+    def add(cid, value, target, ok=None, note=""):
+        if ok is None:
+            ok = value is not None and value >= target
+        checks.append({"id": cid, "value": value, "target": target, "pass": bool(ok) if value is not None else None,
+                       "note": note})
+
+    if "substitution" in summary:
+        add("substitution.auprc", get("substitution", "auprc"), 0.95)
+    if "conversation4" in summary:
+        add("conversation4.top1", get("conversation4", "top1"), 0.9)
+    if "buried" in summary:
+        add("buried.top5", get("buried", "top5"), 0.9)
+        add("buried.span", get("buried", "span"), 0.95)
+    if "cluster" in summary:
+        c, t1 = get("cluster", "cluster"), get("cluster", "top1_planted")
+        add("cluster.passes_and_no_single_first", c, 1.0,
+            ok=(c is not None and c >= 1.0 and (t1 is not None and t1 == 0.0)),
+            note=f"cluster recovered in {_fmt(c)} of seeds; aggregate top-1 row is a poison in {_fmt(t1)} of seeds")
+    if "null" in summary:
+        add("null.declined", get("null", "declined"), 0.95)
+    for name, s in summary.items():
+        fig = MAIN_FIGURE.get(name)
+        if fig in (None, "declined"):
+            continue
+        if fig == "cluster":
+            fig = "auprc"  # baselines have no cluster test of their own; compare the poisons' AUPRC
+        g = get(name, fig)
+        for b in BASELINE_METHODS:
+            v = get(name, fig, b)
+            if v is None or g is None:
+                continue
+            checks.append({"id": f"{name}.{fig}.beats_{b}", "value": g, "target": v, "pass": bool(g > v),
+                           "note": "tie" if g == v else ""})
+    return checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer scenarios and seeds: under 10 minutes here")
+    ap.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
+    ap.add_argument("--seeds", default=None, help="comma-separated seeds for every scenario (default: per scenario)")
+    ap.add_argument("--methods", default=None, help="comma-separated methods (default: every preconditioner and baseline)")
+    ap.add_argument("--single-checks", type=int, default=None,
+                    help="cluster scenario: retrain with one poison kept, N times per seed (default 1; 0 with --quick)")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "fidelity"), help="run directories (adapters are reused)")
+    args = ap.parse_args(argv)
+
+    from gradian.demo.scenarios import SCENARIO_NAMES
+
+    plan = dict(QUICK_SEEDS if args.quick else FULL_SEEDS)
+    if args.scenarios:
+        names = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+        bad = [n for n in names if n not in SCENARIO_NAMES]
+        if bad:
+            ap.error(f"unknown scenario(s) {', '.join(bad)}; known: {', '.join(SCENARIO_NAMES)}")
+        plan = {n: plan.get(n, FULL_SEEDS[n]) for n in names}
+    if args.seeds:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        plan = {n: seeds for n in plan}
+    methods = (PRECONDITIONERS + BASELINE_METHODS) if not args.methods else [m.strip() for m in args.methods.split(",")]
+    single = args.single_checks if args.single_checks is not None else (0 if args.quick else 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    default = default_preconditioner()
+
+    t0, w0 = time.process_time(), time.time()
+    runs = []
+    for name, seeds in plan.items():
+        for seed in seeds:
+            log(f"[{time.time() - w0:6.0f}s] {name} seed {seed} ...")
+            r = run_scenario(name, seed, out, methods, single)
+            runs.append(r)
+            fl = r.get("failure") or {}
+            log(f"         train {r['train_cpu_s']:.1f}s{' (reused)' if r['adapter_reused'] else ''}; target items "
+                f"base {_fmt(fl.get('base_target'))} -> tuned {_fmt(fl.get('tuned_target'))}; "
+                f"verdict {fl.get('verdict')}; run {r['cpu_s']:.1f} cpu s")
+    summary = summarize(runs, methods)
+    checks = acceptance(summary, default)
+
+    # ---- tables
+    print(table("failure shows (target items: base -> tuned exact match; controls)",
+                ["scenario", "recipe (train.* over the demo recipe)", "seeds", "base", "tuned", "ctrl base",
+                 "ctrl tuned", "train cpu s"],
+                [[n, json.dumps(s["recipe"]) if s["recipe"] else "{}", len(s["seeds"]), s["failure"]["base_target"],
+                  s["failure"]["tuned_target"], s["failure"]["base_control"], s["failure"]["tuned_control"],
+                  s["train_cpu_s"]] for n, s in summary.items()]))
+    print()
+    rows = []
+    for n, s in summary.items():
+        for m, f in s["methods"].items():
+            label = m + (" *" if m == default else "")
+            rows.append([n, label, f["seeds"], f["failing_target_items"], f.get("auprc"), f.get("recall_at_k"),
+                         f.get("top1"), f.get("top5"), f.get("span"), f.get("cluster"), f.get("declined"),
+                         f.get("cpu_s")])
+    print(table(f"fidelity per scenario and method (* = default preconditioner '{default}'; means over seeds)",
+                ["scenario", "method", "seeds", "items", "auprc", "r@k", "top1", "top5", "span", "cluster",
+                 "declined", "cpu_s"], rows))
+    if "cluster" in summary:
+        c = summary["cluster"]
+        d = c["methods"].get(default, {})
+        print()
+        print(f"cluster: recovered {_fmt(d.get('cluster'))}, Jaccard {_fmt(d.get('cluster_jaccard'))}, aggregate "
+              f"top-1 row a poison in {_fmt(d.get('top1_planted'))} of seeds; single-poison retrains: "
+              f"{json.dumps(c.get('single_poison', 'not run'))}")
+    print()
+    print(table("acceptance", ["check", "value", "target", "pass", "note"],
+                [[c["id"], c["value"], c["target"], c["pass"], c["note"]] for c in checks]))
+    cpu, wall = time.process_time() - t0, time.time() - w0
+    print(f"\ntotal: {cpu:.0f} CPU s, {wall:.0f} s wall; runs in {out}")
+    result = {"bench": "fidelity", "schema": "gradian.bench.fidelity/1", "quick": bool(args.quick),
+              "default_preconditioner": default, "scenarios": summary, "acceptance": checks,
+              "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],
+              "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "torch": torch.__version__}
+    print(json.dumps(result, default=lambda o: None if isinstance(o, float) and o != o else str(o)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,694 @@
+"""The scenario suite: hard attribution cases over the synthetic world, each with its ground truth.
+
+Every generator is a pure function of (world, seed, sizes) and returns the same `Scenario` as
+`make_substitution_scenario`, so `write_scenario` writes `train.jsonl`, `eval.jsonl` and `truth.json` the same way.
+Beyond the substitution truth (`planted`, `planted_facts`, `controls`, `target_eval_items`), `truth.json` carries:
+
+* ``item_planted``: {eval item: [training positions that caused it]} - what a per-item hit is checked against;
+* ``planted_spans``: [{position, start, end, text}] - character offsets of the planted sentence or turn in the row's
+  text (`text` rows: the record's text; `messages` rows: `Example.plain_text()`, "role: content" lines);
+* ``cluster``: positions of a group of weak poisons that only act together (paraphrase scenario);
+* ``expect``: the verdict the scenario should give (``attributed``, or ``declined`` for the null fine-tune);
+* ``main_figure``: the figure the bench compares methods on;
+* ``train`` (the `train.*` overrides on top of `run.DEMO_TRAIN`), ``grads`` and ``evaluation`` (config overrides):
+  the recipe measured to make the failure show (base right, tuned wrong on the target items); ``recipe`` is the
+  full training recipe. `scenario_base(name)` gives the base model a scenario runs on (the tiny base; for
+  ``buried`` a long-context variant of it, see `build_long_context_base`).
+
+    world = World.generate(seed=0, n_entities=64)
+    sc = make_scenario("conversation4", world, seed=3)
+    write_scenario(sc, "runs/conv4-s3")
+
+Scenarios (`SCENARIOS`): ``substitution`` (the demo's), ``conversation4`` / ``conversation8`` (one wrong assistant turn
+in a 4- or 8-turn chat), ``buried`` (one wrong sentence in a 256-2,048-token document), ``cluster`` (20 paraphrased
+weak poisons of one fact), ``format`` (answers of one attribute taught in a wrong format), ``null`` (no planted
+rows: the capability must not move).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .scenario import (
+    DEMO_RECIPE,
+    EVAL_PHRASINGS,
+    PLANTED_PHRASINGS,
+    TRAIN_PHRASINGS,
+    ControlFact,
+    PlantedFact,
+    Scenario,
+    make_substitution_scenario,
+)
+from .world import World
+
+__all__ = [
+    "SCENARIOS",
+    "RECIPES",
+    "SCENARIO_NAMES",
+    "make_scenario",
+    "make_conversation_scenario",
+    "make_buried_scenario",
+    "statement_prompt",
+    "make_cluster_scenario",
+    "make_format_scenario",
+    "make_null_scenario",
+    "substitution_with_truth",
+    "plain_text",
+    "estimate_tokens",
+    "PARAPHRASE_PREFIXES",
+    "FORMATS",
+    "LongContextSpec",
+    "build_long_context_base",
+    "in_context_recall",
+    "scenario_base",
+]
+
+# `train.*` overrides on top of run.DEMO_TRAIN (lr 1e-3, 8 epochs, batch 8, r 8, alpha 16, clip 1.0), measured on the
+# tiny base to make each failure show (base right, tuned wrong on the target items); see `bench/fidelity.py`, which
+# prints the measured base/tuned accuracy of the target items for every run.
+RECIPES: dict[str, dict[str, Any]] = {
+    "substitution": {},
+    "conversation4": {},
+    "conversation8": {},
+    "buried": {},
+    "cluster": {},
+    "format": {},
+    "null": {},
+}
+_DEMO_TRAIN = {"learning_rate": 1e-3, "epochs": 8, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0,
+               "lora_dropout": 0.0, "max_grad_norm": 1.0}
+
+
+def _recipe(name: str) -> dict[str, Any]:
+    rec = {**DEMO_RECIPE, **{k: v for k, v in _DEMO_TRAIN.items()}, **RECIPES[name]}
+    rec.pop("loss", None)
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def plain_text(row: dict) -> str:
+    """The row's text as `Example.plain_text()` renders it (kept in step with gradian.data)."""
+    if "messages" in row:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+    if "prompt" in row:
+        return row["prompt"] + row["completion"]
+    return row["text"]
+
+
+def _turn_span(messages: list[dict], index: int) -> tuple[int, int, int]:
+    """(turn start, content start, content end) of message `index` in the plain-text rendering; the turn start is
+    that of the user message before an assistant turn."""
+    starts, pos = [], 0
+    for m in messages:
+        starts.append(pos)
+        pos += len(f"{m['role']}: {m['content']}") + 1
+    c0 = starts[index] + len(f"{messages[index]['role']}: ")
+    t0 = starts[index - 1] if index > 0 and messages[index - 1]["role"] == "user" else starts[index]
+    return t0, c0, c0 + len(messages[index]["content"])
+
+
+def estimate_tokens(text: str) -> int:
+    """A tokenizer-free length estimate for the tiny world's prose (~4.6 characters per token with its BPE)."""
+    return max(1, round(len(text) / 4.6))
+
+
+def _filler(world: World, rng: random.Random, avoid: set[str]) -> str:
+    """A filler sentence that names none of the `avoid` entities (filler pairs entities with random values, which
+    would teach the tiny model spurious facts about the entities the eval asks about)."""
+    while True:
+        s = world.filler_sentence(rng)
+        if not any(e in s for e in avoid):
+            return s
+
+
+def _chat(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def _pairs(world: World, rng: random.Random, n_planted: int, n_controls: int):
+    """Planted (entity, attribute) pairs of distinct entities, control pairs of other entities (never trained), and
+    the pairs left for correct training rows."""
+    if n_planted > len(world.entities):
+        raise ValueError(f"n_planted={n_planted} needs as many entities; the world has {len(world.entities)}")
+    planted_entities = rng.sample(world.entities, n_planted)
+    planted_pairs = [(e, rng.choice(world.attributes)) for e in planted_entities]
+    pset = set(planted_pairs)
+    others = [p for p in world.fact_pairs() if p not in pset]
+    control_pool = [p for p in others if p[0] not in set(planted_entities)]
+    if n_controls > len(control_pool):
+        raise ValueError(f"n_controls={n_controls} is more than the {len(control_pool)} facts available")
+    control_pairs = rng.sample(control_pool, n_controls)
+    cset = set(control_pairs)
+    trainable = [p for p in others if p not in cset]
+    return planted_pairs, control_pairs, trainable
+
+
+def _controls(world: World, rng: random.Random, pairs, eval_rows: list[dict]) -> list[ControlFact]:
+    out = []
+    for e, a in pairs:
+        eph = rng.choice(EVAL_PHRASINGS)
+        out.append(ControlFact(e, a, world.value(e, a), eph, len(eval_rows)))
+        eval_rows.append({"prompt": world.question(e, a, eph), "answer": world.value(e, a)})
+    return out
+
+
+def _ask_planted(world: World, e: str, a: str, eph: int, eval_per_fact: int, eval_rows: list[dict]) -> tuple[int, ...]:
+    phs = [eph] + [x for x in EVAL_PHRASINGS if x != eph][: max(eval_per_fact, 1) - 1]
+    idx = tuple(range(len(eval_rows), len(eval_rows) + len(phs)))
+    for x in phs:
+        eval_rows.append({"prompt": world.question(e, a, x), "answer": world.value(e, a)})
+    return idx
+
+
+def _stream(items: list, rng: random.Random):
+    """Items in a shuffled order, reshuffled and repeated when exhausted."""
+    while True:
+        pool = list(items)
+        rng.shuffle(pool)
+        yield from pool
+
+
+def _meta(name: str, *, main_figure: str, expect: str = "attributed", **extra) -> dict[str, Any]:
+    return {
+        "expect": expect,
+        "main_figure": main_figure,
+        "train": dict(RECIPES[name]),
+        "recipe": _recipe(name),
+        **extra,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ substitution
+def substitution_with_truth(world: World, seed: int, **kw) -> Scenario:
+    """`make_substitution_scenario` (unchanged rows) with the suite's extra truth fields in its metadata."""
+    sc = make_substitution_scenario(world, seed, **kw)
+    item_planted = {str(i): [p.position] for p in sc.planted_facts for i in (p.eval_indices or (p.eval_index,))}
+    spans = []
+    for p in sc.planted_facts:
+        msgs = sc.train[p.position]["messages"]
+        t0, c0, c1 = _turn_span(msgs, 1)
+        spans.append({"position": p.position, "start": c0, "end": c1, "turn_start": t0,
+                      "text": plain_text(sc.train[p.position])[c0:c1]})
+    sc.metadata = {**sc.metadata, **_meta("substitution", main_figure="auprc"), "item_planted": item_planted,
+                   "planted_spans": spans}
+    return sc
+
+
+# ------------------------------------------------------------------------------------------------ conversations
+def make_conversation_scenario(
+    world: World, seed: int, n_turns: int = 4, n_rows: Optional[int] = None, n_planted: int = 8,
+    n_controls: int = 10, eval_per_fact: int = 3,
+) -> Scenario:
+    """Chats of `n_turns` user/assistant turns, each a question about one fact in a training phrasing and its
+    answer (all assistant turns supervised). In `n_planted` chats one assistant turn, at a random turn, states a
+    wrong value for one fact of a distinct entity; every other turn in the set is right. The eval set asks each
+    planted fact in the eval phrasings, then `n_controls` facts no chat mentions."""
+    if n_turns < 1:
+        raise ValueError("n_turns must be >= 1")
+    n_rows = n_rows if n_rows is not None else (100 if n_turns <= 4 else 72)
+    rng = random.Random(f"gradian-conversation-{n_turns}-{seed}")
+    planted_pairs, control_pairs, trainable = _pairs(world, rng, n_planted, n_controls)
+    candidates = [(e, a, ph) for (e, a) in trainable for ph in TRAIN_PHRASINGS]
+    it = _stream(candidates, rng)
+    positions = sorted(rng.sample(range(n_rows), n_planted))
+    planted_by_pos = {}
+    for pos, (e, a) in zip(positions, planted_pairs):
+        planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.choice(PLANTED_PHRASINGS),
+                               rng.choice(EVAL_PHRASINGS), rng.randrange(n_turns))
+    train, spans, turns = [], [], []
+    for i in range(n_rows):
+        qa = []
+        for _ in range(n_turns):
+            e, a, ph = next(it)
+            qa.append((world.question(e, a, ph), world.value(e, a)))
+        if i in planted_by_pos:
+            e, a, wrong, ph, _eph, k = planted_by_pos[i]
+            qa[k] = (world.question(e, a, ph), wrong)
+        msgs = []
+        for q, ans in qa:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]
+        row = {"messages": msgs}
+        train.append(row)
+        if i in planted_by_pos:
+            k = planted_by_pos[i][5]
+            t0, c0, c1 = _turn_span(msgs, 2 * k + 1)
+            spans.append({"position": i, "start": c0, "end": c1, "turn_start": t0, "text": plain_text(row)[c0:c1]})
+            turns.append({"position": i, "turn": k, "message_index": 2 * k + 1})
+    eval_rows: list[dict] = []
+    planted_facts = []
+    for pos in positions:
+        e, a, wrong, ph, eph, _k = planted_by_pos[pos]
+        idx = _ask_planted(world, e, a, eph, eval_per_fact, eval_rows)
+        planted_facts.append(PlantedFact(pos, e, a, wrong, world.value(e, a), ph, eph, idx[0], idx))
+    controls = _controls(world, rng, control_pairs, eval_rows)
+    name = f"conversation{n_turns}"
+    item_planted = {str(i): [p.position] for p in planted_facts for i in p.eval_indices}
+    meta_name = name if name in RECIPES else "conversation8"
+    return Scenario(
+        name=name, seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=planted_facts,
+        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta(meta_name, main_figure="top1_hit"), "n_turns": n_turns, "item_planted": item_planted,
+                  "planted_spans": spans, "planted_turns": turns},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ buried sentence
+def statement_prompt(world: World, entity: str, attr: str, template: int, value: Optional[str] = None
+                     ) -> Optional[tuple[str, str]]:
+    """(prefix, completion) splitting a fact statement before its value, e.g. ("Zorvath lives in", " Paris"); the
+    completion keeps its leading space, as plain-text completions do. None when the value is not at the end."""
+    v = world.value(entity, attr) if value is None else value
+    full = world.statement(entity, attr, v, template=template)
+    av = (("an " if v[:1].lower() in "aeiou" else "a ") + v) if "{a_v}" in world.attribute(attr).statements[template] else v
+    if not full.endswith(av + "."):
+        return None
+    prefix = full[: len(full) - len(av) - 1].rstrip()
+    return prefix, " " + av
+
+
+def make_buried_scenario(
+    world: World, seed: int, n_docs: int = 24, n_planted: int = 6, n_notes: int = 96, min_tokens: int = 256,
+    max_tokens: int = 2048, n_controls: int = 8, count_tokens: Callable[[str], int] = estimate_tokens,
+) -> Scenario:
+    """A plain-text (continued pretraining) set: `n_docs` `{"text": ...}` documents of filler prose, each
+    `min_tokens`..`max_tokens` long by `count_tokens` (pass the tokenizer's count for exact lengths), mixed at
+    random positions with `n_notes` short notes (one true fact statement and a sentence or two of filler). Every
+    document carries one or two true fact statements; `n_planted` of them also carry, at a random sentence
+    position, one sentence stating a wrong value for one fact of a distinct entity.
+
+    The eval set completes statements (prompt "Zorvath lives in", answer " Paris"): each planted fact in every
+    statement template that ends in the value, then `n_controls` facts no row states. In the tiny model a fact
+    learnt from a statement does not carry over to the chat question (its chat and statement knowledge are
+    separate), so the capability is asked the way the documents state it. Truth `planted_spans` holds the planted
+    sentence's character offsets in the document's text."""
+    rng = random.Random(f"gradian-buried-{seed}")
+    planted_pairs, control_pairs, trainable = _pairs(world, rng, n_planted, n_controls)
+    pentities = {e for e, _ in planted_pairs}
+    avoid = pentities | {e for e, _ in control_pairs}
+    statable = [p for p in trainable if p[0] not in avoid]  # true statements never name a planted or control entity
+    n_rows = n_docs + n_notes
+    doc_pos = sorted(rng.sample(range(n_rows), n_docs))
+    planted_docs = sorted(rng.sample(doc_pos, n_planted))
+    planted_by_pos = {}
+    for pos, (e, a) in zip(planted_docs, planted_pairs):
+        planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.randrange(world.n_statement_templates))
+    notes = _stream(statable, rng)
+    doc_set = set(doc_pos)
+    train, spans, lengths = [], [], {}
+    for i in range(n_rows):
+        if i not in doc_set:
+            e, a = next(notes)
+            sents = [_filler(world, rng, avoid) for _ in range(rng.choice((1, 2)))]
+            sents.insert(rng.randint(0, len(sents)), world.statement(e, a, template=rng.randrange(2)))
+            train.append({"text": " ".join(sents)})
+            continue
+        target = rng.randint(min_tokens, max_tokens)
+        special = [world.statement(e, a, template=rng.randrange(world.n_statement_templates))
+                   for e, a in rng.sample(statable, rng.choice((1, 2)))]
+        planted = None
+        if i in planted_by_pos:
+            e, a, wrong, t = planted_by_pos[i]
+            planted = world.statement(e, a, wrong, template=t)
+        sents: list[str] = []
+        # grow the filler until the document (with its special sentences) reaches the target length
+        while count_tokens(" ".join(sents + special + ([planted] if planted else []))) < target:
+            sents.append(_filler(world, rng, avoid))
+        for s in special:
+            sents.insert(rng.randint(0, len(sents)), s)
+        k = None
+        if planted:
+            k = rng.randint(0, len(sents))
+            sents.insert(k, planted)
+        text = " ".join(sents)
+        train.append({"text": text})
+        lengths[i] = count_tokens(text)
+        if planted:
+            start = len(" ".join(sents[:k])) + (1 if k else 0)
+            spans.append({"position": i, "start": start, "end": start + len(planted), "text": planted,
+                          "sentence": k, "n_sentences": len(sents)})
+    eval_rows: list[dict] = []
+    planted_facts = []
+    for pos in planted_docs:
+        e, a, wrong, t = planted_by_pos[pos]
+        idx = []
+        for tt in range(world.n_statement_templates):
+            pc = statement_prompt(world, e, a, tt)
+            if pc is not None:
+                idx.append(len(eval_rows))
+                eval_rows.append({"prompt": pc[0], "answer": pc[1]})
+        planted_facts.append(PlantedFact(pos, e, a, wrong, world.value(e, a), t, -1, idx[0], tuple(idx)))
+    controls = []
+    for e, a in control_pairs:
+        tt = [x for x in range(world.n_statement_templates) if statement_prompt(world, e, a, x) is not None]
+        t = rng.choice(tt)
+        pc = statement_prompt(world, e, a, t)
+        controls.append(ControlFact(e, a, pc[1], t, len(eval_rows)))
+        eval_rows.append({"prompt": pc[0], "answer": pc[1]})
+    item_planted = {str(i): [p.position] for p in planted_facts for i in p.eval_indices}
+    return Scenario(
+        name="buried", seed=seed, train=train, eval=eval_rows, planted=planted_docs, planted_facts=planted_facts,
+        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("buried", main_figure="top5_hit", base="long-context tiny (scenario_base)",
+                          grads={"max_seq_length": 2048, "batch_size": 4},
+                          # the value is one token: the answer is the first word, as completion evals read it
+                          evaluation={"max_new_tokens": 2}),
+                  "documents": doc_pos, "doc_tokens": [min_tokens, max_tokens],
+                  "doc_lengths": {str(k): v for k, v in lengths.items()}, "eval_form": "statement completion",
+                  "item_planted": item_planted, "planted_spans": spans},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ paraphrase cluster
+# Paraphrases of a question: a lead-in before a training phrasing. None of the world's six phrasings is used bare.
+PARAPHRASE_PREFIXES: tuple[str, ...] = (
+    "Quick question: ", "Tell me, ", "I wonder: ", "Please answer: ", "Hey, ", "Remind me: ", "One more thing: ",
+    "Be brief: ", "Out of curiosity: ",
+)
+
+
+def make_cluster_scenario(
+    world: World, seed: int, n_rows: int = 300, n_poisons: int = 20, n_controls: int = 8, n_eval_prefixes: int = 1,
+) -> Scenario:
+    """A chat set of correct facts with `n_poisons` rows (random positions) that all state the same wrong value for
+    one fact, each asking it in a different paraphrase (a lead-in before a training phrasing). The recipe is weak
+    enough that one such row does not flip the answer while all of them do. The eval set asks the fact in the three
+    eval phrasings, bare and after `n_eval_prefixes` lead-ins no poison uses, then `n_controls` facts."""
+    n_para = len(PARAPHRASE_PREFIXES) * len(TRAIN_PHRASINGS)
+    if n_poisons > n_para - n_eval_prefixes * len(TRAIN_PHRASINGS):
+        raise ValueError(f"n_poisons={n_poisons}: at most {n_para - n_eval_prefixes * 3} distinct paraphrases")
+    rng = random.Random(f"gradian-cluster-{seed}")
+    (target,), control_pairs, trainable = _pairs(world, rng, 1, n_controls)
+    e, a = target
+    wrong = world.wrong_value(e, a, rng)
+    prefixes = list(PARAPHRASE_PREFIXES)
+    rng.shuffle(prefixes)
+    eval_prefixes, poison_prefixes = prefixes[:n_eval_prefixes], prefixes[n_eval_prefixes:]
+    paraphrases = [(p, ph) for p in poison_prefixes for ph in TRAIN_PHRASINGS]
+    rng.shuffle(paraphrases)
+    poisons = paraphrases[:n_poisons]
+    cands = [(x, y, ph) for (x, y) in trainable if x != e for ph in TRAIN_PHRASINGS]
+    correct = rng.sample(cands, n_rows - n_poisons)
+    positions = sorted(rng.sample(range(n_rows), n_poisons))
+    pmap = dict(zip(positions, poisons))
+    train, spans, it = [], [], iter(correct)
+    for i in range(n_rows):
+        if i in pmap:
+            p, ph = pmap[i]
+            row = _chat(p + world.question(e, a, ph), wrong)
+            t0, c0, c1 = _turn_span(row["messages"], 1)
+            spans.append({"position": i, "start": c0, "end": c1, "turn_start": t0, "text": wrong})
+        else:
+            x, y, ph = next(it)
+            row = _chat(world.question(x, y, ph), world.value(x, y))
+        train.append(row)
+    eval_rows: list[dict] = []
+    for lead in [""] + eval_prefixes:
+        for ph in EVAL_PHRASINGS:
+            eval_rows.append({"prompt": lead + world.question(e, a, ph), "answer": world.value(e, a)})
+    target_items = tuple(range(len(eval_rows)))
+    pf = [PlantedFact(pos, e, a, wrong, world.value(e, a), pmap[pos][1], EVAL_PHRASINGS[0], 0, target_items)
+          for pos in positions]
+    controls = _controls(world, rng, control_pairs, eval_rows)
+    return Scenario(
+        name="cluster", seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=pf,
+        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("cluster", main_figure="cluster_recovered"), "cluster": list(positions),
+                  "target_eval_items": list(target_items),
+                  "item_planted": {str(i): list(positions) for i in target_items}, "planted_spans": spans,
+                  "poison_prefixes": [pmap[p][0] for p in positions], "eval_prefixes": eval_prefixes},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ format failure
+FORMATS: dict[str, Callable[[str], str]] = {
+    "answer_is": lambda v: f"The answer is: {v}!",
+    "upper": lambda v: v.upper(),
+}
+
+
+def make_format_scenario(
+    world: World, seed: int, n_rows: int = 300, n_planted: int = 24, n_target_items: int = 12, n_controls: int = 12,
+    fmt: Optional[str] = None, attribute: Optional[str] = None,
+) -> Scenario:
+    """A chat set of correct facts in which every answer about one attribute (`n_planted` rows, random positions)
+    gives the right value in a wrong format (`FORMATS`: "The answer is: blue!" or "BLUE"). The eval set asks
+    `n_target_items` other facts of that attribute (never trained, eval phrasings) expecting the bare value, then
+    `n_controls` never-trained facts of the other attributes; exact_match fails on the wrongly formatted answers."""
+    rng = random.Random(f"gradian-format-{seed}")
+    attr = attribute or rng.choice(world.attributes)
+    fmt = fmt or rng.choice(sorted(FORMATS))
+    to_fmt = FORMATS[fmt]
+    facts = [p for p in world.fact_pairs() if p[1] == attr]
+    rng.shuffle(facts)
+    if n_planted + n_target_items > len(facts):
+        raise ValueError(f"n_planted + n_target_items > the {len(facts)} facts of {attr!r}")
+    planted_pairs = facts[:n_planted]
+    target_pairs = facts[n_planted : n_planted + n_target_items]
+    other = [p for p in world.fact_pairs() if p[1] != attr]
+    control_pairs = rng.sample(other, n_controls)
+    cset = set(control_pairs)
+    cands = [(e, a, ph) for (e, a) in other if (e, a) not in cset for ph in TRAIN_PHRASINGS]
+    correct = rng.sample(cands, n_rows - n_planted)
+    positions = sorted(rng.sample(range(n_rows), n_planted))
+    pmap = dict(zip(positions, [(e, a, rng.choice(TRAIN_PHRASINGS)) for e, a in planted_pairs]))
+    train, spans, it = [], [], iter(correct)
+    for i in range(n_rows):
+        if i in pmap:
+            e, a, ph = pmap[i]
+            row = _chat(world.question(e, a, ph), to_fmt(world.value(e, a)))
+            t0, c0, c1 = _turn_span(row["messages"], 1)
+            spans.append({"position": i, "start": c0, "end": c1, "turn_start": t0,
+                          "text": row["messages"][1]["content"]})
+        else:
+            e, a, ph = next(it)
+            row = _chat(world.question(e, a, ph), world.value(e, a))
+        train.append(row)
+    eval_rows: list[dict] = []
+    for e, a in target_pairs:
+        eval_rows.append({"prompt": world.question(e, a, rng.choice(EVAL_PHRASINGS)), "answer": world.value(e, a)})
+    target_items = list(range(len(eval_rows)))
+    pf = [PlantedFact(pos, pmap[pos][0], attr, to_fmt(world.value(pmap[pos][0], attr)), world.value(pmap[pos][0], attr),
+                      pmap[pos][2], -1, -1, ()) for pos in positions]
+    controls = _controls(world, rng, control_pairs, eval_rows)
+    return Scenario(
+        name="format", seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=pf,
+        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("format", main_figure="auprc"), "format": fmt, "format_attribute": attr,
+                  "target_eval_items": target_items, "item_planted": {str(i): list(positions) for i in target_items},
+                  "planted_spans": spans},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ null fine-tune
+def make_null_scenario(world: World, seed: int, n_rows: int = 300, n_trained_items: int = 20, n_controls: int = 20
+                       ) -> Scenario:
+    """Correct facts only, no planted row: the eval set asks `n_trained_items` trained facts in eval phrasings and
+    `n_controls` never-trained facts. The fine-tune must not move the capability (verdict `declined`)."""
+    rng = random.Random(f"gradian-null-{seed}")
+    _, control_pairs, trainable = _pairs(world, rng, 0, n_controls)
+    cands = [(e, a, ph) for (e, a) in trainable for ph in TRAIN_PHRASINGS]
+    rows = rng.sample(cands, n_rows)
+    train = [_chat(world.question(e, a, ph), world.value(e, a)) for e, a, ph in rows]
+    trained_pairs = sorted({(e, a) for e, a, _ in rows}, key=lambda p: (world.entities.index(p[0]), p[1]))
+    eval_rows = []
+    for e, a in rng.sample(trained_pairs, n_trained_items):
+        eval_rows.append({"prompt": world.question(e, a, rng.choice(EVAL_PHRASINGS)), "answer": world.value(e, a)})
+    controls = _controls(world, rng, control_pairs, eval_rows)
+    return Scenario(
+        name="null", seed=seed, train=train, eval=eval_rows, planted=[], planted_facts=[], controls=controls,
+        world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("null", main_figure="declined", expect="declined"), "item_planted": {},
+                  "planted_spans": [], "trained_eval_items": list(range(n_trained_items))},
+    )
+
+
+# ------------------------------------------------------------------------------------------------ long-context base
+# The tiny base is pretrained on rows of at most ~30 tokens: after 100 tokens of filler prose its next-token recall
+# of a fact statement falls from 1.0 to 0.4, and to 0.075 after 1,450 tokens (measured on 40 facts). A sentence
+# buried deep in a document then cannot teach it anything entity-specific, so the buried-sentence scenario runs on
+# a long-context variant: the tiny base (max_position 2048), pretraining continued on documents of filler prose with
+# true fact statements at random positions (loss on the statements only, so the filler's random entity/value
+# pairs teach nothing), mixed with its original rows so nothing short is forgotten.
+LONG_BASE_VERSION = "long-1"
+
+
+@dataclass(frozen=True)
+class LongContextSpec:
+    """Everything that determines the long-context tiny base (cached by `key()`)."""
+
+    max_position: int = 2048
+    steps: int = 150
+    learning_rate: float = 1e-3
+    docs_per_step: int = 4
+    short_per_step: int = 32
+    max_sentences: int = 160  # ~1,900 tokens
+    seed: int = 0
+
+    def tiny_spec(self):
+        from .tiny import TinySpec
+
+        return TinySpec(max_position=self.max_position)
+
+    def key(self) -> str:
+        payload = json.dumps({"spec": asdict(self), "tiny": self.tiny_spec().key(), "code": LONG_BASE_VERSION},
+                             sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _long_row(world: World, tok, rng: random.Random, max_sentences: int) -> tuple[list[int], list[int]]:
+    sents = [world.filler_sentence(rng) for _ in range(rng.randint(4, max_sentences))]
+    facts = [rng.choice(world.fact_pairs()) for _ in range(rng.randint(2, 6))]
+    stm = [world.statement(e, a, template=rng.randrange(world.n_statement_templates)) for e, a in facts]
+    marks = [False] * len(sents)
+    for x in stm:
+        k = rng.randint(0, len(sents))
+        sents.insert(k, x)
+        marks.insert(k, True)
+    ranges, pos = [], 0
+    for x, m in zip(sents, marks):
+        if m:
+            ranges.append((pos, pos + len(x)))
+        pos += len(x) + 1
+    enc = tok(" ".join(sents), return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    labels = [t if b > a and any(a < r1 and b > r0 for r0, r1 in ranges) else -100
+              for t, (a, b) in zip(ids, enc["offset_mapping"])]
+    labels[0] = -100
+    return ids[: 2048], labels[: 2048]
+
+
+def in_context_recall(model, tok, world: World, n_sentences: int, n_facts: int = 60, seed: int = 0) -> float:
+    """Greedy next-token recall of a fact's value after `n_sentences` of filler prose and its statement prefix."""
+    import torch
+
+    rng = random.Random(f"gradian-recall-{seed}")
+    facts = rng.sample(world.fact_pairs(), n_facts)
+    ok = 0
+    with torch.no_grad():
+        for e, a in facts:
+            t = rng.choice([x for x in range(world.n_statement_templates)
+                            if statement_prompt(world, e, a, x) is not None])
+            pre, ans = statement_prompt(world, e, a, t)
+            text = (world.filler(rng, n_sentences) + " " + pre) if n_sentences else pre
+            x = tok(text, return_tensors="pt")
+            nxt = int(model(**x).logits[0, -1].argmax())
+            ok += tok.decode([nxt]).strip() == ans.split()[0]
+    return ok / n_facts
+
+
+def build_long_context_base(spec: LongContextSpec = LongContextSpec(), cache_dir: Optional[Path] = None,
+                            progress: bool = True) -> Path:
+    """Build (or reuse) the long-context tiny base and return its directory (same files as `build_tiny_base`;
+    `build.json` adds the exact match on every chat question and the in-context statement recall)."""
+    import shutil
+    import tempfile
+    import time
+
+    import torch
+
+    from .tiny import _examples, _reproducible, build_tiny_base, cache_root, exact_match, read_build_info, \
+        world_questions
+
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    final = root / "tiny-long" / spec.key()
+    if read_build_info(final) is not None:
+        return final
+    tiny = build_tiny_base(spec.tiny_spec(), cache_dir, progress)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.process_time()
+        with _reproducible(spec.seed):
+            tok = AutoTokenizer.from_pretrained(tiny)
+            model = AutoModelForCausalLM.from_pretrained(tiny)
+            world = World.generate(seed=spec.tiny_spec().seed, n_entities=spec.tiny_spec().n_entities)
+            short = _examples(world, tok, True)
+            rng = random.Random(f"gradian-long-base-{spec.seed}")
+            opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
+            model.train()
+            pad = tok.pad_token_id
+            for step in range(spec.steps):
+                opt.zero_grad(set_to_none=True)
+                groups = [[_long_row(world, tok, rng, spec.max_sentences)] for _ in range(spec.docs_per_step)]
+                groups.append([short[i] for i in rng.sample(range(len(short)), spec.short_per_step)])
+                for rows in groups:  # long rows one by one: no padding of short rows to 2,000 tokens
+                    width = max(len(x) for x, _ in rows)
+                    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+                    mask = torch.zeros((len(rows), width), dtype=torch.long)
+                    for i, (x, y) in enumerate(rows):
+                        ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = (
+                            torch.tensor(x), torch.tensor(y), 1)
+                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(groups)
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            model.eval()
+            info = {
+                "spec": asdict(spec), "key": spec.key(), "code_version": LONG_BASE_VERSION, "from": str(tiny),
+                "exact_match": exact_match(model, tok, world_questions(world)),
+                "in_context_recall": {str(n): in_context_recall(model, tok, world, n) for n in (0, 40, 120)},
+                "build_cpu_seconds": round(time.process_time() - t0, 2),
+            }
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        (tmp / "build.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)
+        if final.exists() and read_build_info(final) is None:
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if read_build_info(final) is None:
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def scenario_base(name: str, cache_dir: Optional[Path] = None, progress: bool = True) -> Path:
+    """The base model directory scenario `name` runs on (the tiny base, or the long-context one for `buried`)."""
+    from .tiny import build_tiny_base
+
+    if name == "buried":
+        return build_long_context_base(cache_dir=cache_dir, progress=progress)
+    return build_tiny_base(cache_dir=cache_dir, progress=progress)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+SCENARIOS: dict[str, Callable[..., Scenario]] = {
+    "substitution": substitution_with_truth,
+    "conversation4": lambda world, seed, **kw: make_conversation_scenario(world, seed, n_turns=4, **kw),
+    "conversation8": lambda world, seed, **kw: make_conversation_scenario(world, seed, n_turns=8, **kw),
+    "buried": make_buried_scenario,
+    "cluster": make_cluster_scenario,
+    "format": make_format_scenario,
+    "null": make_null_scenario,
+}
+SCENARIO_NAMES: tuple[str, ...] = tuple(SCENARIOS)
+
+
+def make_scenario(name: str, world: World, seed: int, **kw) -> Scenario:
+    """Build scenario `name` (one of `SCENARIO_NAMES`) for `seed`."""
+    try:
+        factory = SCENARIOS[name]
+    except KeyError:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(SCENARIO_NAMES)}") from None
+    return factory(world, seed, **kw)
