@@ -172,13 +172,14 @@ def report(run_dir: Path):
 
 
 @app.command()
-def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory")):
+def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory"),
+         verify: bool = typer.Option(True, "--verify/--no-verify", help="Also retrain without the accused rows")):
     """Build the tiny model and a poisoned scenario, train, attribute and show whether the planted rows were found."""
 
     def body():
         from .demo.run import run_demo
 
-        run_demo(out_dir, console=out)
+        run_demo(out_dir, console=out, verify=verify)
 
     _run(body)
 

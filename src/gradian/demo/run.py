@@ -51,7 +51,7 @@ def prepare_demo(run_dir: Path, *, seed: int = 0, progress: bool = True) -> Path
     return write_demo_config(run_dir, base)
 
 
-def run_demo(run_dir: Path, console: Optional[Console] = None) -> dict:
+def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool = True) -> dict:
     from ..api import attribute
     from ..train import train_adapter
 
@@ -75,7 +75,16 @@ def run_demo(run_dir: Path, console: Optional[Console] = None) -> dict:
         f"[bold]planted rows:[/] {len(truth['planted'])}; recall@10 = {m.get('recall_at_10', float('nan')):.2f}, "
         f"AUPRC = {m.get('auprc', float('nan')):.3f}"
     )
-    console.print(f"times: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s, attribute {t3 - t2:.1f}s, total {t3 - t0:.1f}s")
+    t4 = t3
+    if verify and report.get("verdict") == "attributed":
+        from ..verify import print_verify, run_verify
+
+        console.print("verifying (gradian verify): retrain without the accused rows, and without random rows…")
+        res = run_verify(cfg, controls=2, reference=False, console=console)
+        print_verify(res, console)
+        t4 = time.time()
+    console.print(f"times: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s, attribute {t3 - t2:.1f}s, verify {t4 - t3:.1f}s, "
+                  f"total {t4 - t0:.1f}s")
     console.print(f"report: {run_dir / 'report.json'}  page: {run_dir / 'report.html'}")
     console.print(f"rerun any verb on this run: gradian attribute {run_dir / 'gradian.yaml'}")
     return report
