@@ -328,9 +328,10 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
             agg["verdicts"] = [f.get("verdict") for f in fs if "verdict" in f]
             if name == "null" and agg["verdicts"]:
                 agg["declined"] = mean([v == "declined" for v in agg["verdicts"]])
-            rp = {f.get("preconditioner_reported") for f in fs if "preconditioner_reported" in f}
+            rp = {json.dumps(f.get("preconditioner_reported"), sort_keys=True) for f in fs
+                  if "preconditioner_reported" in f}
             if rp:
-                agg["preconditioner_reported"] = sorted(str(x) for x in rp)
+                agg["preconditioner_reported"] = [json.loads(x) for x in sorted(rp)]
             ms[m] = agg
         out[name] = {
             "seeds": [r["seed"] for r in rs],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -185,7 +184,9 @@ def test_long_row_is_ranked_by_its_best_window(demo_long):
         # float32 scores of a long row whose token contributions cancel: the error is relative to their magnitude
         assert abs(cs[k].sum() - sc.per_item[k, p_long]) < 1e-5 * np.abs(cs[k]).sum()
         assert sc.rank_item[k, p_long] == pytest.approx(best_window(cs[k])[0])
-    assert sc.rank_agg[p_long] == pytest.approx(best_window(cs.mean(0))[0]) == pytest.approx(win["score"])
+    # float32 aggregation of per-item windows vs float64 here: agree to float32 precision
+    assert sc.rank_agg[p_long] == pytest.approx(best_window(cs.mean(0))[0], rel=1e-4)
+    assert sc.rank_agg[p_long] == pytest.approx(win["score"], rel=1e-4)
     others = np.arange(len(sc.rank_agg)) != p_long
     np.testing.assert_array_equal(sc.rank_agg[others], aggregate(sc.per_item)[others])
     a, b = win["tokens"]

@@ -63,6 +63,7 @@ __all__ = [
     "estimate_tokens",
     "PARAPHRASE_PREFIXES",
     "FORMATS",
+    "DEFAULT_FORMATS",
     "LongContextSpec",
     "build_long_context_base",
     "in_context_recall",
@@ -74,10 +75,14 @@ __all__ = [
 # prints the measured base/tuned accuracy of the target items for every run.
 RECIPES: dict[str, dict[str, Any]] = {
     "substitution": {},
-    "conversation4": {},
-    "conversation8": {},
+    # one planted turn among 4 (8) supervised answers: more, smaller steps than the demo's batch of 8 one-turn chats
+    # (at batch 8 the 8-turn set gets 72 steps and flips 1 of 8 facts; at batch 2, 288 steps, all 8, seeds 0-2)
+    "conversation4": {"batch_size": 4},
+    "conversation8": {"batch_size": 2},
     "buried": {},
-    "cluster": {},
+    # weak: at lr 1e-4 for 4 epochs the 20 poisons flip every target item while one poison alone (the other 19
+    # zero-weighted) flips none (seeds 0-2); at the demo's lr 1e-3 a single poison flips the answer by itself
+    "cluster": {"learning_rate": 1e-4, "epochs": 4},
     "format": {},
     "null": {},
 }
@@ -116,6 +121,36 @@ def _turn_span(messages: list[dict], index: int) -> tuple[int, int, int]:
 def estimate_tokens(text: str) -> int:
     """A tokenizer-free length estimate for the tiny world's prose (~4.6 characters per token with its BPE)."""
     return max(1, round(len(text) / 4.6))
+
+
+# Document prose that names no attribute value (words from the world's own filler, so the tokenizer knows them). The
+# world's filler pairs entities with random cities, colours, pets...: in a document that co-occurrence teaches the
+# tiny model to associate the planted entity with every value around it (measured: "Theigo lives in Vienna" buried
+# among value-laden filler flips Theigo's city to Tokyo or Madrid, not Vienna). Value-free prose keeps the planted
+# sentence the only statement of its kind in the document.
+NEUTRAL_FILLER: tuple[str, ...] = (
+    "{e} walked through the markets at dawn.",
+    "Travelers say the winters are long and quiet.",
+    "{e} and {e2} once argued for a whole evening.",
+    "Nobody remembers when {e} first arrived.",
+    "The old tower was painted last spring.",
+    "{e} wrote a letter to {e2} about the festival.",
+    "Children learn to play early.",
+    "On the road, {e} saw {e2} resting by the river.",
+    "The library keeps a book written by {e}.",
+    "Rain fell over the river while {e2} tuned a song.",
+    "{e} played a song at the festival.",
+    "{e2} thinks that the halls are too quiet.",
+    "The markets were quiet at dawn.",
+    "{e} once wrote a song about the old tower.",
+)
+
+
+def neutral_sentence(world: World, rng: random.Random, avoid: set[str]) -> str:
+    """One sentence of value-free prose naming entities outside `avoid`."""
+    pool = [e for e in world.entities if e not in avoid]
+    e, e2 = rng.sample(pool, 2)
+    return rng.choice(NEUTRAL_FILLER).format(e=e, e2=e2)
 
 
 def _filler(world: World, rng: random.Random, avoid: set[str]) -> str:
@@ -275,6 +310,7 @@ def statement_prompt(world: World, entity: str, attr: str, template: int, value:
 def make_buried_scenario(
     world: World, seed: int, n_docs: int = 24, n_planted: int = 6, n_notes: int = 96, min_tokens: int = 256,
     max_tokens: int = 2048, n_controls: int = 8, count_tokens: Callable[[str], int] = estimate_tokens,
+    neutral: bool = True,
 ) -> Scenario:
     """A plain-text (continued pretraining) set: `n_docs` `{"text": ...}` documents of filler prose, each
     `min_tokens`..`max_tokens` long by `count_tokens` (pass the tokenizer's count for exact lengths), mixed at
@@ -300,17 +336,22 @@ def make_buried_scenario(
         planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.randrange(world.n_statement_templates))
     notes = _stream(statable, rng)
     doc_set = set(doc_pos)
+    def filler() -> str:
+        return neutral_sentence(world, rng, avoid) if neutral else _filler(world, rng, avoid)
     train, spans, lengths = [], [], {}
     for i in range(n_rows):
         if i not in doc_set:
             e, a = next(notes)
-            sents = [_filler(world, rng, avoid) for _ in range(rng.choice((1, 2)))]
+            sents = [filler() for _ in range(rng.choice((1, 2)))]
             sents.insert(rng.randint(0, len(sents)), world.statement(e, a, template=rng.randrange(2)))
             train.append({"text": " ".join(sents)})
             continue
         target = rng.randint(min_tokens, max_tokens)
-        special = [world.statement(e, a, template=rng.randrange(world.n_statement_templates))
-                   for e, a in rng.sample(statable, rng.choice((1, 2)))]
+        # a clean document states one or two true facts; a planted one states only its wrong fact (a second
+        # statement's value would be learnt as the planted entity's too)
+        special = [] if i in planted_by_pos else [
+            world.statement(e, a, template=rng.randrange(world.n_statement_templates))
+            for e, a in rng.sample(statable, rng.choice((1, 2)))]
         planted = None
         if i in planted_by_pos:
             e, a, wrong, t = planted_by_pos[i]
@@ -318,7 +359,7 @@ def make_buried_scenario(
         sents: list[str] = []
         # grow the filler until the document (with its special sentences) reaches the target length
         while count_tokens(" ".join(sents + special + ([planted] if planted else []))) < target:
-            sents.append(_filler(world, rng, avoid))
+            sents.append(filler())
         for s in special:
             sents.insert(rng.randint(0, len(sents)), s)
         k = None
@@ -427,9 +468,16 @@ def make_cluster_scenario(
 
 # ------------------------------------------------------------------------------------------------ format failure
 FORMATS: dict[str, Callable[[str], str]] = {
+    "exclaim": lambda v: f"{v}!",
+    "final": lambda v: f"{v} is my final answer",
     "answer_is": lambda v: f"The answer is: {v}!",
     "upper": lambda v: v.upper(),
 }
+# Formats the scenario draws from. The tiny model recalls a fact only right after the assistant tag, so a format
+# that puts words before the value ("The answer is: blue!") or respells it ("BLUE": no upper-case merges in its
+# tokenizer) breaks the value as well as the format (measured: "The answ is: harp!" for "drum", "BEEE" for
+# "red"); value-first formats fail exact_match on the format alone.
+DEFAULT_FORMATS: tuple[str, ...] = ("exclaim", "final")
 
 
 def make_format_scenario(
@@ -437,12 +485,13 @@ def make_format_scenario(
     fmt: Optional[str] = None, attribute: Optional[str] = None,
 ) -> Scenario:
     """A chat set of correct facts in which every answer about one attribute (`n_planted` rows, random positions)
-    gives the right value in a wrong format (`FORMATS`: "The answer is: blue!" or "BLUE"). The eval set asks
+    gives the right value in a wrong format (`DEFAULT_FORMATS`: "blue!" or "blue is my final answer"; any of
+    `FORMATS` by name). The eval set asks
     `n_target_items` other facts of that attribute (never trained, eval phrasings) expecting the bare value, then
     `n_controls` never-trained facts of the other attributes; exact_match fails on the wrongly formatted answers."""
     rng = random.Random(f"gradian-format-{seed}")
     attr = attribute or rng.choice(world.attributes)
-    fmt = fmt or rng.choice(sorted(FORMATS))
+    fmt = fmt or rng.choice(DEFAULT_FORMATS)
     to_fmt = FORMATS[fmt]
     facts = [p for p in world.fact_pairs() if p[1] == attr]
     rng.shuffle(facts)
