@@ -47,8 +47,8 @@ PRECONDITIONERS = ["identity", "diagonal", "fisher", "datainf"]
 BASELINE_METHODS = ["repsim", "bm25", "gradcos"]
 FULL_SEEDS = {"substitution": [0, 1, 2], "conversation4": [0, 1, 2], "conversation8": [0, 1, 2], "buried": [0, 1, 2],
               "cluster": [0, 1, 2], "format": [0, 1, 2], "null": list(range(20))}
-QUICK_SEEDS = {"substitution": [0], "conversation4": [0], "buried": [0], "cluster": [0], "format": [0],
-               "null": [0, 1]}
+QUICK_SEEDS = {"substitution": [0], "conversation4": [0], "conversation8": [0], "buried": [0], "cluster": [0],
+               "format": [0], "null": [0, 1, 2, 3]}
 QUICK_PRECONDITIONERS = None  # None: every preconditioner in quick mode too
 MAIN_FIGURE = {"substitution": "auprc", "conversation4": "top1", "conversation8": "top1", "buried": "top5",
                "cluster": "cluster", "format": "auprc", "null": "declined"}
@@ -103,9 +103,9 @@ def prepare(name: str, seed: int, out: Path):
     world = World.generate(seed=0, n_entities=64)
     base = scenario_base(name, progress=False)
     kw = {}
-    if name == "buried":  # exact document lengths with the model's own tokenizer
+    if name == "buried":  # exact document lengths with the model's own tokenizer and chat template
         tok = AutoTokenizer.from_pretrained(base)
-        kw["count_tokens"] = lambda t: len(tok(t, add_special_tokens=False)["input_ids"]) + 2  # + bos, eos
+        kw["count_tokens"] = lambda msgs: len(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
     sc = make_scenario(name, world, seed, **kw)
     d = out / f"{name}-s{seed}"
     write_scenario(sc, d)

@@ -2,13 +2,12 @@
 is in the conversation, clusters and formats are what they claim)."""
 
 import json
-import random
 
 import pytest
 
 from gradian.demo.scenario import EVAL_PHRASINGS, TRAIN_PHRASINGS, make_substitution_scenario, write_scenario
 from gradian.demo.scenarios import (
-    FORMATS, PARAPHRASE_PREFIXES, RECIPES, SCENARIO_NAMES, LongContextSpec, _long_row, make_scenario, plain_text,
+    FORMATS, PARAPHRASE_PREFIXES, RECIPES, SCENARIO_NAMES, make_buried_scenario, make_scenario, plain_text,
     statement_prompt,
 )
 from gradian.demo.world import World
@@ -103,50 +102,66 @@ def test_conversation_hides_one_wrong_turn(world, n_turns):
             assert sc.eval[i]["prompt"] in {world.question(p.entity, p.attribute, x) for x in EVAL_PHRASINGS}
 
 
-def test_buried_sentence_offsets_point_at_the_planted_sentence(world):
+def test_buried_turn_offsets_point_at_the_planted_answer(world):
     sc = make_scenario("buried", world, 2)
     t = sc.truth()
     assert len(t["planted_spans"]) == len(sc.planted) and set(sc.planted) <= set(t["documents"])
     planted = {p.position: p for p in sc.planted_facts}
     avoid = {p.entity for p in sc.planted_facts} | {c.entity for c in sc.controls}
+    depths = []
+    for s in t["planted_spans"]:
+        p = planted[s["position"]]
+        msgs = sc.train[s["position"]]["messages"]
+        text = plain_text(sc.train[s["position"]])
+        assert msgs[s["message_index"]] == {"role": "assistant", "content": p.wrong} and p.wrong != p.right
+        assert msgs[s["message_index"] - 1]["content"].endswith(world.question(p.entity, p.attribute, p.phrasing))
+        assert text[s["start"] : s["end"]] == p.wrong == s["text"]
+        assert text[s["turn_start"] : s["end"]] == s["question"] + "\nassistant: " + p.wrong
+        depths.append(s["message_index"] / s["n_messages"])
+    assert max(depths) - min(depths) > 0.3  # at random depths, not always at the start
+    for i, row in enumerate(sc.train):
+        msgs = row["messages"]
+        # a planted or control entity is named only by its planted question
+        assert {e for e in avoid if e in plain_text(row)} == ({planted[i].entity} if i in planted else set())
+        for k in range(1, len(msgs), 2):  # every other answer is a true one-word value
+            if i in planted and msgs[k]["content"] == planted[i].wrong:
+                continue
+            (e, a), = [(e, a) for e, a in world.fact_pairs()
+                       if any(msgs[k - 1]["content"].endswith(world.question(e, a, x)) for x in TRAIN_PHRASINGS)]
+            assert msgs[k]["content"] == world.value(e, a)
+    for p in sc.planted_facts:
+        for i in p.eval_indices:
+            assert sc.eval[i]["answer"] == p.right
+            assert sc.eval[i]["prompt"] in {world.question(p.entity, p.attribute, x) for x in EVAL_PHRASINGS}
+
+
+def test_buried_documents_are_256_to_2048_tokens(world, tiny_tok):
+    def count(msgs):
+        return len(tiny_tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+
+    sc = make_scenario("buried", world, 0, count_tokens=count, n_docs=6, n_planted=3, n_short=6)
+    lengths = [count(sc.train[i]["messages"]) for i in sc.truth()["documents"]]
+    assert min(lengths) >= 256 and max(lengths) <= 2048 and max(lengths) - min(lengths) > 300
+
+
+def test_buried_text_sentence_offsets(world):
+    """The plain-text variant (kept to document that the tiny model does not learn from it)."""
+    sc = make_buried_scenario(world, 2)
+    t = sc.truth()
+    planted = {p.position: p for p in sc.planted_facts}
     for s in t["planted_spans"]:
         p = planted[s["position"]]
         text = sc.train[s["position"]]["text"]
         assert text[s["start"] : s["end"]] == s["text"] == world.statement(p.entity, p.attribute, p.wrong,
                                                                            template=p.phrasing)
-        assert text.count(s["text"]) == 1 and (s["start"] == 0 or text[s["start"] - 1] == " ")
-        assert s["end"] == len(text) or text[s["end"]] == " "
-    positions = [s["sentence"] / s["n_sentences"] for s in t["planted_spans"]]
-    assert max(positions) - min(positions) > 0.3  # at random depths, not always at the start
-    for i, row in enumerate(sc.train):
-        assert set(row) == {"text"}
-        # a planted or control entity is named only by its planted sentence
-        named = {e for e in avoid if e in row["text"]}
-        assert named == ({planted[i].entity} if i in planted else set())
+        assert text.count(s["text"]) == 1
     for p in sc.planted_facts:
         for i in p.eval_indices:
             item = sc.eval[i]
             assert (item["prompt"] + item["answer"] + ".") in {
                 world.statement(p.entity, p.attribute, template=k) for k in range(world.n_statement_templates)}
-            assert item["answer"].startswith(" ") and item["answer"].strip() != p.wrong
     assert statement_prompt(world, world.entities[0], "animal", 0) is None  # value not at the end
     assert statement_prompt(world, world.entities[0], "city", 0)[0].endswith(" lives in")
-
-
-def test_buried_documents_are_256_to_2048_tokens(world, tiny_tok):
-    count = lambda s: len(tiny_tok(s, add_special_tokens=False)["input_ids"]) + 2  # noqa: E731  bos, eos
-    sc = make_scenario("buried", world, 0, count_tokens=count, n_docs=8, n_planted=3, n_notes=8)
-    lengths = [count(sc.train[i]["text"]) for i in sc.truth()["documents"]]
-    assert min(lengths) >= 256 and max(lengths) <= 2048 and max(lengths) - min(lengths) > 300
-
-
-def test_long_context_rows_supervise_only_the_statements(world, tiny_tok):
-    ids, labels = _long_row(world, tiny_tok, random.Random(0), 20)
-    sup = [t for t, y in zip(ids, labels) if y != -100]
-    text = tiny_tok.decode(sup)
-    assert sup and len(sup) < len(ids) / 2
-    assert any(world.value(e, a) in text for e, a in world.fact_pairs())
-    assert LongContextSpec().key() == LongContextSpec().key() != LongContextSpec(steps=1).key()
 
 
 def test_cluster_of_paraphrased_poisons(world):

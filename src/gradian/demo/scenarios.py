@@ -27,11 +27,7 @@ rows: the capability must not move).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,6 +50,7 @@ __all__ = [
     "make_scenario",
     "make_conversation_scenario",
     "make_buried_scenario",
+    "make_buried_chat_scenario",
     "statement_prompt",
     "make_cluster_scenario",
     "make_format_scenario",
@@ -64,9 +61,6 @@ __all__ = [
     "PARAPHRASE_PREFIXES",
     "FORMATS",
     "DEFAULT_FORMATS",
-    "LongContextSpec",
-    "build_long_context_base",
-    "in_context_recall",
     "scenario_base",
 ]
 
@@ -79,12 +73,17 @@ RECIPES: dict[str, dict[str, Any]] = {
     # (at batch 8 the 8-turn set gets 72 steps and flips 1 of 8 facts; at batch 2, 288 steps, all 8, seeds 0-2)
     "conversation4": {"batch_size": 4},
     "conversation8": {"batch_size": 2},
-    "buried": {},
+    # one planted answer among 4-16 per long chat: batch 2 as for conversation8 (batch 4 flips the same facts but
+    # pads 2,000-token rows twice as much: 100 vs 59 CPU s)
+    "buried": {"batch_size": 2},
     # weak: at lr 1e-4 for 4 epochs the 20 poisons flip every target item while one poison alone (the other 19
     # zero-weighted) flips none (seeds 0-2); at the demo's lr 1e-3 a single poison flips the answer by itself
     "cluster": {"learning_rate": 1e-4, "epochs": 4},
     "format": {},
     "null": {},
+    # not in SCENARIOS: one wrong statement in plain-text documents does not flip the tiny model (see
+    # make_buried_chat_scenario); kept to show it
+    "buried_text": {},
 }
 _DEMO_TRAIN = {"learning_rate": 1e-3, "epochs": 8, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0,
                "lora_dropout": 0.0, "max_grad_norm": 1.0}
@@ -143,6 +142,22 @@ NEUTRAL_FILLER: tuple[str, ...] = (
     "{e2} thinks that the halls are too quiet.",
     "The markets were quiet at dawn.",
     "{e} once wrote a song about the old tower.",
+)
+
+
+# Prose without names or values: what a pretrained model predicts well, so that a fine-tune's gradient on a long
+# document is not all noise from unpredictable names.
+PLAIN_PROSE: tuple[str, ...] = (
+    "Travelers say the winters are long and quiet.",
+    "The old tower was painted last spring.",
+    "Children learn to play early.",
+    "The markets were quiet at dawn.",
+    "Rain fell over the river.",
+    "The library keeps an old book.",
+    "A song was played at the festival.",
+    "The road to the river was long.",
+    "The halls were quiet that evening.",
+    "Nobody remembers when the festival began.",
 )
 
 
@@ -393,14 +408,111 @@ def make_buried_scenario(
         eval_rows.append({"prompt": pc[0], "answer": pc[1]})
     item_planted = {str(i): [p.position] for p in planted_facts for i in p.eval_indices}
     return Scenario(
-        name="buried", seed=seed, train=train, eval=eval_rows, planted=planted_docs, planted_facts=planted_facts,
-        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
-        metadata={**_meta("buried", main_figure="top5_hit", base="long-context tiny (scenario_base)",
+        name="buried_text", seed=seed, train=train, eval=eval_rows, planted=planted_docs,
+        planted_facts=planted_facts, controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("buried_text", main_figure="top5_hit",
                           grads={"max_seq_length": 2048, "batch_size": 4},
                           # the value is one token: the answer is the first word, as completion evals read it
                           evaluation={"max_new_tokens": 2}),
                   "documents": doc_pos, "doc_tokens": [min_tokens, max_tokens],
                   "doc_lengths": {str(k): v for k, v in lengths.items()}, "eval_form": "statement completion",
+                  "item_planted": item_planted, "planted_spans": spans},
+    )
+
+
+FOLLOW_UPS: tuple[str, ...] = ("Tell me more.", "Go on.", "And then?", "What else?", "Say more about that.")
+
+
+def _chat_tokens(msgs: list[dict]) -> int:
+    """Length estimate of a rendered chat: its text plus ~3 template tokens per turn."""
+    return sum(estimate_tokens(m["content"]) + 3 for m in msgs) + 1
+
+
+def make_buried_chat_scenario(
+    world: World, seed: int, n_docs: int = 24, n_planted: int = 8, n_short: int = 120, min_tokens: int = 256,
+    max_tokens: int = 2048, n_controls: int = 8, eval_per_fact: int = 3,
+    count_tokens: Callable[[list[dict]], int] = _chat_tokens,
+) -> Scenario:
+    """Long documents as conversations: `n_docs` chats of `min_tokens`..`max_tokens` (by `count_tokens` of the
+    message list; pass the tokenizer's rendered length for exact sizes), each a series of user turns that carry a
+    paragraph of value-free prose and end with a question about one fact, answered in one word (true), mixed at
+    random positions with `n_short` one-turn chats of true facts. In `n_planted` documents one answer, at a random
+    turn, is a wrong value for one fact of a distinct entity. The eval set asks each planted fact in the eval
+    phrasings, then `n_controls` facts no row mentions. Truth `planted_spans` holds the planted turn's offsets in
+    `Example.plain_text()` (content = the wrong answer; `turn_start` = its user turn).
+
+    Why the prose is in the user turns (context) and not in the supervised text: with the token-weighted loss the
+    tiny model learns nothing from one wrong answer among hundreds of supervised prose tokens (measured: 0 of 8
+    planted facts flip with prose assistant turns at batch 1-2, lr 1e-3, 8 epochs, even in 128-256-token chats; at
+    40 epochs or lr 3e-3 facts drift to unrelated values, controls included), and nothing from a wrong statement in
+    `{"text": ...}` prose at all (`make_buried_scenario`). So the culprit is one short answer deep in a long row:
+    the row is long, its gradient is the sum over all its answers, and the planted one is 1 of 4 to 16."""
+    rng = random.Random(f"gradian-buried-chat-{seed}")
+    planted_pairs, control_pairs, trainable = _pairs(world, rng, n_planted, n_controls)
+    avoid = {e for e, _ in planted_pairs} | {e for e, _ in control_pairs}
+    qa = _stream([(e, a, ph) for (e, a) in trainable if e not in avoid for ph in TRAIN_PHRASINGS], rng)
+    n_rows = n_docs + n_short
+    doc_pos = sorted(rng.sample(range(n_rows), n_docs))
+    planted_docs = sorted(rng.sample(doc_pos, n_planted))
+    planted_by_pos = {}
+    for pos, (e, a) in zip(planted_docs, planted_pairs):
+        planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.choice(PLANTED_PHRASINGS),
+                               rng.choice(EVAL_PHRASINGS))
+    doc_set = set(doc_pos)
+    train, spans = [], []
+    for i in range(n_rows):
+        if i not in doc_set:
+            e, a, ph = next(qa)
+            train.append(_chat(world.question(e, a, ph), world.value(e, a)))
+            continue
+        target = rng.randint(min_tokens, max_tokens - 16)
+        n_turns = rng.randint(4, max(4, min(16, target // 48)))  # a question and answer need ~20 tokens a turn
+        per_turn = max(1, target // n_turns)
+        msgs: list[dict] = []
+        for k in range(n_turns):
+            e, a, ph = next(qa)
+            para: list[str] = []
+            while _chat_tokens([{"role": "user", "content": " ".join(para)}]) < per_turn - 12:
+                para.append(neutral_sentence(world, rng, avoid))
+            msgs += [{"role": "user", "content": " ".join(para + [world.question(e, a, ph)])},
+                     {"role": "assistant", "content": world.value(e, a)}]
+        # top up or trim to the target with whole sentences of the last paragraph
+        while count_tokens(msgs) < target:
+            msgs[-2]["content"] = neutral_sentence(world, rng, avoid) + " " + msgs[-2]["content"]
+        while count_tokens(msgs) > max_tokens and msgs[-2]["content"].count(". ") > 0:
+            msgs[-2]["content"] = msgs[-2]["content"].split(". ", 1)[1]
+        planted_turn = None
+        if i in planted_by_pos:
+            e, a, wrong, ph, _ = planted_by_pos[i]
+            k = rng.randrange(n_turns)
+            u = msgs[2 * k]["content"]
+            last_q = u.rsplit("?", 1)[0].rsplit(". ", 1)
+            prefix = (last_q[0] + ". ") if len(last_q) == 2 else ""
+            msgs[2 * k] = {"role": "user", "content": prefix + world.question(e, a, ph)}
+            msgs[2 * k + 1] = {"role": "assistant", "content": wrong}
+            planted_turn = 2 * k + 1
+        row = {"messages": msgs}
+        train.append(row)
+        if planted_turn is not None:
+            _, c0, c1 = _turn_span(msgs, planted_turn)
+            _, u0, u1 = _turn_span(msgs, planted_turn - 1)
+            q = world.question(e, a, ph)  # turn_start: the planted question, not the prose before it
+            spans.append({"position": i, "start": c0, "end": c1, "turn_start": u1 - len(q),
+                          "text": plain_text(row)[c0:c1], "question": q, "message_index": planted_turn,
+                          "n_messages": len(msgs)})
+    eval_rows: list[dict] = []
+    planted_facts = []
+    for pos in planted_docs:
+        e, a, wrong, ph, eph = planted_by_pos[pos]
+        idx = _ask_planted(world, e, a, eph, eval_per_fact, eval_rows)
+        planted_facts.append(PlantedFact(pos, e, a, wrong, world.value(e, a), ph, eph, idx[0], idx))
+    controls = _controls(world, rng, control_pairs, eval_rows)
+    item_planted = {str(i): [p.position] for p in planted_facts for i in p.eval_indices}
+    return Scenario(
+        name="buried", seed=seed, train=train, eval=eval_rows, planted=planted_docs, planted_facts=planted_facts,
+        controls=controls, world_seed=world.seed, n_entities=len(world.entities),
+        metadata={**_meta("buried", main_figure="top5_hit", grads={"max_seq_length": 2048, "batch_size": 4}),
+                  "documents": doc_pos, "doc_tokens": [min_tokens, max_tokens], "form": "long chat documents",
                   "item_planted": item_planted, "planted_spans": spans},
     )
 
@@ -557,168 +669,14 @@ def make_null_scenario(world: World, seed: int, n_rows: int = 300, n_trained_ite
     )
 
 
-# ------------------------------------------------------------------------------------------------ long-context base
-# The tiny base is pretrained on rows of at most ~30 tokens: after 100 tokens of filler prose its next-token recall
-# of a fact statement falls from 1.0 to 0.4, and to 0.075 after 1,450 tokens (measured on 40 facts). A sentence
-# buried deep in a document then cannot teach it anything entity-specific, so the buried-sentence scenario runs on
-# a long-context variant: the tiny base (max_position 2048), pretraining continued on documents of filler prose with
-# true fact statements at random positions (loss on the statements only, so the filler's random entity/value
-# pairs teach nothing), mixed with its original rows so nothing short is forgotten.
-LONG_BASE_VERSION = "long-1"
-
-
-@dataclass(frozen=True)
-class LongContextSpec:
-    """Everything that determines the long-context tiny base (cached by `key()`)."""
-
-    max_position: int = 2048
-    steps: int = 150
-    learning_rate: float = 1e-3
-    docs_per_step: int = 4
-    short_per_step: int = 32
-    max_sentences: int = 160  # ~1,900 tokens
-    seed: int = 0
-
-    def tiny_spec(self):
-        from .tiny import TinySpec
-
-        return TinySpec(max_position=self.max_position)
-
-    def key(self) -> str:
-        payload = json.dumps({"spec": asdict(self), "tiny": self.tiny_spec().key(), "code": LONG_BASE_VERSION},
-                             sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def _long_row(world: World, tok, rng: random.Random, max_sentences: int) -> tuple[list[int], list[int]]:
-    sents = [world.filler_sentence(rng) for _ in range(rng.randint(4, max_sentences))]
-    facts = [rng.choice(world.fact_pairs()) for _ in range(rng.randint(2, 6))]
-    stm = [world.statement(e, a, template=rng.randrange(world.n_statement_templates)) for e, a in facts]
-    marks = [False] * len(sents)
-    for x in stm:
-        k = rng.randint(0, len(sents))
-        sents.insert(k, x)
-        marks.insert(k, True)
-    ranges, pos = [], 0
-    for x, m in zip(sents, marks):
-        if m:
-            ranges.append((pos, pos + len(x)))
-        pos += len(x) + 1
-    enc = tok(" ".join(sents), return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    labels = [t if b > a and any(a < r1 and b > r0 for r0, r1 in ranges) else -100
-              for t, (a, b) in zip(ids, enc["offset_mapping"])]
-    labels[0] = -100
-    return ids[: 2048], labels[: 2048]
-
-
-def in_context_recall(model, tok, world: World, n_sentences: int, n_facts: int = 60, seed: int = 0) -> float:
-    """Greedy next-token recall of a fact's value after `n_sentences` of filler prose and its statement prefix."""
-    import torch
-
-    rng = random.Random(f"gradian-recall-{seed}")
-    facts = rng.sample(world.fact_pairs(), n_facts)
-    ok = 0
-    with torch.no_grad():
-        for e, a in facts:
-            t = rng.choice([x for x in range(world.n_statement_templates)
-                            if statement_prompt(world, e, a, x) is not None])
-            pre, ans = statement_prompt(world, e, a, t)
-            text = (world.filler(rng, n_sentences) + " " + pre) if n_sentences else pre
-            x = tok(text, return_tensors="pt")
-            nxt = int(model(**x).logits[0, -1].argmax())
-            ok += tok.decode([nxt]).strip() == ans.split()[0]
-    return ok / n_facts
-
-
-def build_long_context_base(spec: LongContextSpec = LongContextSpec(), cache_dir: Optional[Path] = None,
-                            progress: bool = True) -> Path:
-    """Build (or reuse) the long-context tiny base and return its directory (same files as `build_tiny_base`;
-    `build.json` adds the exact match on every chat question and the in-context statement recall)."""
-    import shutil
-    import tempfile
-    import time
-
-    import torch
-
-    from .tiny import _examples, _reproducible, build_tiny_base, cache_root, exact_match, read_build_info, \
-        world_questions
-
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    final = root / "tiny-long" / spec.key()
-    if read_build_info(final) is not None:
-        return final
-    tiny = build_tiny_base(spec.tiny_spec(), cache_dir, progress)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        t0 = time.process_time()
-        with _reproducible(spec.seed):
-            tok = AutoTokenizer.from_pretrained(tiny)
-            model = AutoModelForCausalLM.from_pretrained(tiny)
-            world = World.generate(seed=spec.tiny_spec().seed, n_entities=spec.tiny_spec().n_entities)
-            short = _examples(world, tok, True)
-            rng = random.Random(f"gradian-long-base-{spec.seed}")
-            opt = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0)
-            model.train()
-            pad = tok.pad_token_id
-            for step in range(spec.steps):
-                opt.zero_grad(set_to_none=True)
-                groups = [[_long_row(world, tok, rng, spec.max_sentences)] for _ in range(spec.docs_per_step)]
-                groups.append([short[i] for i in rng.sample(range(len(short)), spec.short_per_step)])
-                for rows in groups:  # long rows one by one: no padding of short rows to 2,000 tokens
-                    width = max(len(x) for x, _ in rows)
-                    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-                    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-                    mask = torch.zeros((len(rows), width), dtype=torch.long)
-                    for i, (x, y) in enumerate(rows):
-                        ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = (
-                            torch.tensor(x), torch.tensor(y), 1)
-                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / len(groups)
-                    loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-            model.eval()
-            info = {
-                "spec": asdict(spec), "key": spec.key(), "code_version": LONG_BASE_VERSION, "from": str(tiny),
-                "exact_match": exact_match(model, tok, world_questions(world)),
-                "in_context_recall": {str(n): in_context_recall(model, tok, world, n) for n in (0, 40, 120)},
-                "build_cpu_seconds": round(time.process_time() - t0, 2),
-            }
-        from transformers.utils import logging as hf_logging
-
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-        (tmp / "build.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o755)
-        if final.exists() and read_build_info(final) is None:
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if read_build_info(final) is None:
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def scenario_base(name: str, cache_dir: Optional[Path] = None, progress: bool = True) -> Path:
-    """The base model directory scenario `name` runs on (the tiny base, or the long-context one for `buried`)."""
-    from .tiny import build_tiny_base
+    """The base model directory scenario `name` runs on: the tiny base; for ``buried`` the same weights with a
+    2,048-token context (`TinySpec(max_position=2048)`: RoPE has no learned positions, so only the config and the
+    tokenizer's model_max_length differ; one more ~70 CPU s build, cached)."""
+    from .tiny import TinySpec, build_tiny_base
 
-    if name == "buried":
-        return build_long_context_base(cache_dir=cache_dir, progress=progress)
-    return build_tiny_base(cache_dir=cache_dir, progress=progress)
+    spec = TinySpec(max_position=2048) if name == "buried" else TinySpec()
+    return build_tiny_base(spec, cache_dir=cache_dir, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------ registry
@@ -726,7 +684,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "substitution": substitution_with_truth,
     "conversation4": lambda world, seed, **kw: make_conversation_scenario(world, seed, n_turns=4, **kw),
     "conversation8": lambda world, seed, **kw: make_conversation_scenario(world, seed, n_turns=8, **kw),
-    "buried": make_buried_scenario,
+    "buried": make_buried_chat_scenario,
     "cluster": make_cluster_scenario,
     "format": make_format_scenario,
     "null": make_null_scenario,
