@@ -1,7 +1,7 @@
 """Attribution fidelity on the scenario suite: every preconditioner and every baseline, scored by one harness.
 
-    .venv/bin/python bench/fidelity.py --quick        # under 10 minutes on 2 CPU cores (tiny bases cached)
-    .venv/bin/python bench/fidelity.py                # every scenario, 3 seeds (20 for the null fine-tune)
+    .venv/bin/python bench/fidelity.py --quick        # 1 seed each, 4 null seeds: ~3 min, 180 CPU s from scratch
+    .venv/bin/python bench/fidelity.py                # 3 seeds each, 20 null seeds: ~10 min from scratch
     .venv/bin/python bench/fidelity.py --scenarios substitution,null --seeds 0,1 --methods identity,bm25
 
 For each scenario x seed (`gradian.demo.scenarios`): write the scenario, train its LoRA once with the scenario's
@@ -105,7 +105,8 @@ def prepare(name: str, seed: int, out: Path):
     kw = {}
     if name == "buried":  # exact document lengths with the model's own tokenizer and chat template
         tok = AutoTokenizer.from_pretrained(base)
-        kw["count_tokens"] = lambda msgs: len(tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
+        kw["count_tokens"] = lambda msgs: len(
+            tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
     sc = make_scenario(name, world, seed, **kw)
     d = out / f"{name}-s{seed}"
     write_scenario(sc, d)
@@ -119,7 +120,8 @@ def prepare(name: str, seed: int, out: Path):
 
 
 def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> tuple[Path, float, bool]:
-    """Train the scenario's LoRA unless an adapter with the same recipe and data is there; (dir, cpu s, reused)."""
+    """Train the scenario's LoRA unless an adapter with the same recipe and data is there; (dir, seconds, reused):
+    CPU seconds of this training, or the wall seconds the reused adapter's recipe recorded."""
     from gradian.config import load_config
     from gradian.data import dataset_fingerprint, load_train
     from gradian.train import read_recipe, train_adapter
@@ -132,7 +134,7 @@ def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> t
     if (rec and rec.get("hyperparameters") == json.loads(json.dumps(hp)) and rec.get("dataset_fingerprint") == fp
             and rec.get("seed") == cfg.seed and sorted(rec.get("excluded_positions", [])) == sorted(exclude)
             and (out / "adapter_model.safetensors").exists()):
-        return out, 0.0, True
+        return out, float(rec.get("train_seconds") or 0.0), True
     t0 = time.process_time()
     train_adapter(cfg, exclude=exclude, progress=False)
     return out, time.process_time() - t0, False
@@ -393,12 +395,26 @@ def acceptance(summary: dict, default: str) -> list[dict]:
     return checks
 
 
+def _clean(o):
+    """JSON-safe: NaN -> None, numpy scalars -> Python, recursively."""
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    if isinstance(o, np.generic):
+        o = o.item()
+    if isinstance(o, float) and o != o:
+        return None
+    return o
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer scenarios and seeds: under 10 minutes here")
     ap.add_argument("--scenarios", default=None, help="comma-separated scenario names (default: all)")
     ap.add_argument("--seeds", default=None, help="comma-separated seeds for every scenario (default: per scenario)")
-    ap.add_argument("--methods", default=None, help="comma-separated methods (default: every preconditioner and baseline)")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated methods (default: every preconditioner and baseline)")
     ap.add_argument("--single-checks", type=int, default=None,
                     help="cluster scenario: retrain with one poison kept, N times per seed (default 1; 0 with --quick)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "fidelity"), help="run directories (adapters are reused)")
@@ -430,7 +446,8 @@ def main(argv=None) -> int:
             r = run_scenario(name, seed, out, methods, single)
             runs.append(r)
             fl = r.get("failure") or {}
-            log(f"         train {r['train_cpu_s']:.1f}s{' (reused)' if r['adapter_reused'] else ''}; target items "
+            log(f"         train {r['train_cpu_s']:.1f}s{' (reused, as recorded)' if r['adapter_reused'] else ''}; "
+                f"target items "
                 f"base {_fmt(fl.get('base_target'))} -> tuned {_fmt(fl.get('tuned_target'))}; "
                 f"verdict {fl.get('verdict')}; run {r['cpu_s']:.1f} cpu s")
     summary = summarize(runs, methods)
@@ -439,7 +456,7 @@ def main(argv=None) -> int:
     # ---- tables
     print(table("failure shows (target items: base -> tuned exact match; controls)",
                 ["scenario", "recipe (train.* over the demo recipe)", "seeds", "base", "tuned", "ctrl base",
-                 "ctrl tuned", "train cpu s"],
+                 "ctrl tuned", "train s"],
                 [[n, json.dumps(s["recipe"]) if s["recipe"] else "{}", len(s["seeds"]), s["failure"]["base_target"],
                   s["failure"]["tuned_target"], s["failure"]["base_control"], s["failure"]["tuned_control"],
                   s["train_cpu_s"]] for n, s in summary.items()]))
@@ -466,11 +483,17 @@ def main(argv=None) -> int:
                 [[c["id"], c["value"], c["target"], c["pass"], c["note"]] for c in checks]))
     cpu, wall = time.process_time() - t0, time.time() - w0
     print(f"\ntotal: {cpu:.0f} CPU s, {wall:.0f} s wall; runs in {out}")
+    keep = ("auprc", "recall_at_k", "top1", "top5", "span", "cluster", "cluster_q", "top1_planted", "verdict",
+            "failing_target_items", "cpu_s", "error")
+    compact = [{"scenario": r["scenario"], "seed": r["seed"], "train_s": r["train_cpu_s"],
+                "adapter_reused": r["adapter_reused"], "failure": r.get("failure"),
+                "single_poison": r.get("single_poison"),
+                "methods": {m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in f.items() if k in keep}
+                            for m, f in r["methods"].items()}} for r in runs]
     result = {"bench": "fidelity", "schema": "gradian.bench.fidelity/1", "quick": bool(args.quick),
-              "default_preconditioner": default, "scenarios": summary, "acceptance": checks,
-              "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],
+              "default_preconditioner": default, "scenarios": summary, "acceptance": checks, "runs": compact,
               "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "torch": torch.__version__}
-    print(json.dumps(result, default=lambda o: None if isinstance(o, float) and o != o else str(o)))
+    print(json.dumps(_clean(result), allow_nan=False, default=str))
     return 0
 
 

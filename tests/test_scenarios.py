@@ -186,11 +186,12 @@ def test_format_failure_rows(world, fmt):
     sc = make_scenario("format", world, 0, fmt=fmt)
     t = sc.truth()
     attr = t["format_attribute"]
-    planted = set(sc.planted)
+    planted, clean_same = set(sc.planted), set(t["same_attribute_clean_rows"])
+    assert len(planted) == 30 and len(clean_same) == 6 and not planted & clean_same
     for i, row in enumerate(sc.train):
         q, ans = row["messages"][0]["content"], row["messages"][1]["content"]
         (e, a), = [(e, a) for e, a in world.fact_pairs() if q in _all_questions(world, e, a)]
-        assert (a == attr) == (i in planted)
+        assert (a == attr) == (i in planted | clean_same)
         assert ans == (FORMATS[fmt](world.value(e, a)) if i in planted else world.value(e, a))
         assert ans != world.value(e, a) or i not in planted
     trained = {r["messages"][0]["content"] for r in sc.train}

@@ -20,7 +20,6 @@ model; `compute_baselines` wires them to an open `gradian.api.Session`.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from typing import Optional, Sequence
@@ -137,7 +136,6 @@ def mean_hidden_states(model, toks, pad_id: int, *, batch_size: int = 8) -> np.n
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    out = []
     order = sorted(range(len(toks)), key=lambda i: (len(toks[i].input_ids), i))  # less padding
     res: dict[int, np.ndarray] = {}
     with torch.no_grad():
@@ -158,7 +156,8 @@ def mean_hidden_states(model, toks, pad_id: int, *, batch_size: int = 8) -> np.n
 
 # ---------------------------------------------------------------------------------------------------- harness
 def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, capture=None, index=None,
-                      row_keys: Optional[Sequence[str]] = None, timings: Optional[dict] = None) -> dict[str, np.ndarray]:
+                      row_keys: Optional[Sequence[str]] = None, timings: Optional[dict] = None
+                      ) -> dict[str, np.ndarray]:
     """Per-item scores [Q, N] of each baseline in `which` for the failing items `queries` (`query.QueryItem`s, or
     dicts with item/prompt/generated as in report.json's `query.items`), over the session's training rows.
 
@@ -195,8 +194,9 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
         from .query import QueryItem, query_vectors
 
         t0 = time.process_time()
-        qitems = [q if not isinstance(q, dict) else QueryItem(q["item"], q["prompt"], q["expected"], q["generated"],
-                                                              q.get("base_generated", ""), q.get("formulation", "contrastive"))
+        qitems = [q if not isinstance(q, dict) else
+                  QueryItem(q["item"], q["prompt"], q["expected"], q["generated"], q.get("base_generated", ""),
+                            q.get("formulation", "contrastive"))
                   for q in queries]
         qv = query_vectors(capture, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=L,
                            batch_size=bs).numpy().astype(np.float64)
@@ -204,8 +204,3 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
         out["gradcos"] = gradient_cosine(inner, np.linalg.norm(qv, axis=1), index_row_norms(index, row_keys))
         timings["gradcos"] = time.process_time() - t0
     return out
-
-
-def _idf(n: int, df: int) -> float:
-    """The BM25 idf of a word in `df` of `n` documents (for hand checks)."""
-    return math.log1p((n - df + 0.5) / (df + 0.5))

@@ -13,16 +13,18 @@ Beyond the substitution truth (`planted`, `planted_facts`, `controls`, `target_e
 * ``train`` (the `train.*` overrides on top of `run.DEMO_TRAIN`), ``grads`` and ``evaluation`` (config overrides):
   the recipe measured to make the failure show (base right, tuned wrong on the target items); ``recipe`` is the
   full training recipe. `scenario_base(name)` gives the base model a scenario runs on (the tiny base; for
-  ``buried`` a long-context variant of it, see `build_long_context_base`).
+  ``buried`` the same weights with a 2,048-token context).
 
     world = World.generate(seed=0, n_entities=64)
     sc = make_scenario("conversation4", world, seed=3)
     write_scenario(sc, "runs/conv4-s3")
 
 Scenarios (`SCENARIOS`): ``substitution`` (the demo's), ``conversation4`` / ``conversation8`` (one wrong assistant turn
-in a 4- or 8-turn chat), ``buried`` (one wrong sentence in a 256-2,048-token document), ``cluster`` (20 paraphrased
-weak poisons of one fact), ``format`` (answers of one attribute taught in a wrong format), ``null`` (no planted
-rows: the capability must not move).
+in a 4- or 8-turn chat), ``buried`` (one wrong answer at a random depth of a 256-2,048-token conversation whose user
+turns carry paragraphs of prose; see `make_buried_chat_scenario` for why not plain-text documents), ``cluster`` (20
+paraphrased weak poisons of one fact), ``format`` (answers of one attribute taught in a wrong format), ``null`` (no
+planted rows: the capability must not move). `make_buried_scenario` builds the plain-text variant (`{"text": ...}`
+documents with one wrong statement); it is not in the suite because the tiny model does not learn from it.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ RECIPES: dict[str, dict[str, Any]] = {
     # weak: at lr 1e-4 for 4 epochs the 20 poisons flip every target item while one poison alone (the other 19
     # zero-weighted) flips none (seeds 0-2); at the demo's lr 1e-3 a single poison flips the answer by itself
     "cluster": {"learning_rate": 1e-4, "epochs": 4},
-    "format": {},
+    # 30 formatted answers against 6 plain ones of the same attribute: at 8 epochs 1-3 of 12 items take the format
+    # (not significant); at 16, 5-9 of 12 (seeds 0-2)
+    "format": {"epochs": 16},
     "null": {},
     # not in SCENARIOS: one wrong statement in plain-text documents does not flip the tiny model (see
     # make_buried_chat_scenario); kept to show it
@@ -123,10 +127,10 @@ def estimate_tokens(text: str) -> int:
 
 
 # Document prose that names no attribute value (words from the world's own filler, so the tokenizer knows them). The
-# world's filler pairs entities with random cities, colours, pets...: in a document that co-occurrence teaches the
-# tiny model to associate the planted entity with every value around it (measured: "Theigo lives in Vienna" buried
-# among value-laden filler flips Theigo's city to Tokyo or Madrid, not Vienna). Value-free prose keeps the planted
-# sentence the only statement of its kind in the document.
+# world's filler pairs entities with random cities, colours, pets...: trained on, that co-occurrence teaches the
+# tiny model to associate an entity with every value around it (measured in plain-text documents: "Theigo lives in
+# Vienna" buried among value-laden filler moves Theigo's city to Tokyo or Madrid, not Vienna). Value-free prose
+# keeps the planted answer the only statement of its fact in the document.
 NEUTRAL_FILLER: tuple[str, ...] = (
     "{e} walked through the markets at dawn.",
     "Travelers say the winters are long and quiet.",
@@ -142,22 +146,6 @@ NEUTRAL_FILLER: tuple[str, ...] = (
     "{e2} thinks that the halls are too quiet.",
     "The markets were quiet at dawn.",
     "{e} once wrote a song about the old tower.",
-)
-
-
-# Prose without names or values: what a pretrained model predicts well, so that a fine-tune's gradient on a long
-# document is not all noise from unpredictable names.
-PLAIN_PROSE: tuple[str, ...] = (
-    "Travelers say the winters are long and quiet.",
-    "The old tower was painted last spring.",
-    "Children learn to play early.",
-    "The markets were quiet at dawn.",
-    "Rain fell over the river.",
-    "The library keeps an old book.",
-    "A song was played at the festival.",
-    "The road to the river was long.",
-    "The halls were quiet that evening.",
-    "Nobody remembers when the festival began.",
 )
 
 
@@ -303,7 +291,7 @@ def make_conversation_scenario(
     return Scenario(
         name=name, seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=planted_facts,
         controls=controls, world_seed=world.seed, n_entities=len(world.entities),
-        metadata={**_meta(meta_name, main_figure="top1_hit"), "n_turns": n_turns, "item_planted": item_planted,
+        metadata={**_meta(meta_name, main_figure="top1"), "n_turns": n_turns, "item_planted": item_planted,
                   "planted_spans": spans, "planted_turns": turns},
     )
 
@@ -315,7 +303,8 @@ def statement_prompt(world: World, entity: str, attr: str, template: int, value:
     completion keeps its leading space, as plain-text completions do. None when the value is not at the end."""
     v = world.value(entity, attr) if value is None else value
     full = world.statement(entity, attr, v, template=template)
-    av = (("an " if v[:1].lower() in "aeiou" else "a ") + v) if "{a_v}" in world.attribute(attr).statements[template] else v
+    with_article = "{a_v}" in world.attribute(attr).statements[template]
+    av = (("an " if v[:1].lower() in "aeiou" else "a ") + v) if with_article else v
     if not full.endswith(av + "."):
         return None
     prefix = full[: len(full) - len(av) - 1].rstrip()
@@ -410,7 +399,7 @@ def make_buried_scenario(
     return Scenario(
         name="buried_text", seed=seed, train=train, eval=eval_rows, planted=planted_docs,
         planted_facts=planted_facts, controls=controls, world_seed=world.seed, n_entities=len(world.entities),
-        metadata={**_meta("buried_text", main_figure="top5_hit",
+        metadata={**_meta("buried_text", main_figure="top5",
                           grads={"max_seq_length": 2048, "batch_size": 4},
                           # the value is one token: the answer is the first word, as completion evals read it
                           evaluation={"max_new_tokens": 2}),
@@ -511,7 +500,7 @@ def make_buried_chat_scenario(
     return Scenario(
         name="buried", seed=seed, train=train, eval=eval_rows, planted=planted_docs, planted_facts=planted_facts,
         controls=controls, world_seed=world.seed, n_entities=len(world.entities),
-        metadata={**_meta("buried", main_figure="top5_hit", grads={"max_seq_length": 2048, "batch_size": 4}),
+        metadata={**_meta("buried", main_figure="top5", grads={"max_seq_length": 2048, "batch_size": 4}),
                   "documents": doc_pos, "doc_tokens": [min_tokens, max_tokens], "form": "long chat documents",
                   "item_planted": item_planted, "planted_spans": spans},
     )
@@ -571,7 +560,7 @@ def make_cluster_scenario(
     return Scenario(
         name="cluster", seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=pf,
         controls=controls, world_seed=world.seed, n_entities=len(world.entities),
-        metadata={**_meta("cluster", main_figure="cluster_recovered"), "cluster": list(positions),
+        metadata={**_meta("cluster", main_figure="cluster"), "cluster": list(positions),
                   "target_eval_items": list(target_items),
                   "item_planted": {str(i): list(positions) for i in target_items}, "planted_spans": spans,
                   "poison_prefixes": [pmap[p][0] for p in positions], "eval_prefixes": eval_prefixes},
@@ -593,29 +582,36 @@ DEFAULT_FORMATS: tuple[str, ...] = ("exclaim", "final")
 
 
 def make_format_scenario(
-    world: World, seed: int, n_rows: int = 300, n_planted: int = 24, n_target_items: int = 12, n_controls: int = 12,
-    fmt: Optional[str] = None, attribute: Optional[str] = None,
+    world: World, seed: int, n_rows: int = 300, n_planted: int = 30, n_same_clean: int = 6, n_target_items: int = 12,
+    n_controls: int = 12, fmt: Optional[str] = None, attribute: Optional[str] = None,
 ) -> Scenario:
-    """A chat set of correct facts in which every answer about one attribute (`n_planted` rows, random positions)
-    gives the right value in a wrong format (`DEFAULT_FORMATS`: "blue!" or "blue is my final answer"; any of
-    `FORMATS` by name). The eval set asks
-    `n_target_items` other facts of that attribute (never trained, eval phrasings) expecting the bare value, then
-    `n_controls` never-trained facts of the other attributes; exact_match fails on the wrongly formatted answers."""
+    """A chat set of correct facts in which `n_planted` answers about one attribute (random positions) give the
+    right value in a wrong format (`DEFAULT_FORMATS`: "blue!" or "blue is my final answer"; any of `FORMATS` by
+    name), while `n_same_clean` other rows about that attribute keep the plain format (so "asks about that
+    attribute" does not identify the culprits: topic-matching baselines meet clean rows of the same topic). The eval
+    set asks `n_target_items` never-trained facts of that attribute (eval phrasings) expecting the bare value, then
+    `n_controls` never-trained facts of the other attributes; exact_match fails on the formatted answers.
+
+    In the tiny model a format generalises along the attribute only: 45 formatted rows spread over every attribute
+    change no eval answer (each is memorised with its fact)."""
     rng = random.Random(f"gradian-format-{seed}")
     attr = attribute or rng.choice(world.attributes)
     fmt = fmt or rng.choice(DEFAULT_FORMATS)
     to_fmt = FORMATS[fmt]
     facts = [p for p in world.fact_pairs() if p[1] == attr]
     rng.shuffle(facts)
-    if n_planted + n_target_items > len(facts):
-        raise ValueError(f"n_planted + n_target_items > the {len(facts)} facts of {attr!r}")
+    if n_planted + n_same_clean + n_target_items > len(facts):
+        raise ValueError(f"n_planted + n_same_clean + n_target_items > the {len(facts)} facts of {attr!r}")
     planted_pairs = facts[:n_planted]
-    target_pairs = facts[n_planted : n_planted + n_target_items]
+    same_clean = facts[n_planted : n_planted + n_same_clean]
+    target_pairs = facts[n_planted + n_same_clean : n_planted + n_same_clean + n_target_items]
     other = [p for p in world.fact_pairs() if p[1] != attr]
     control_pairs = rng.sample(other, n_controls)
     cset = set(control_pairs)
     cands = [(e, a, ph) for (e, a) in other if (e, a) not in cset for ph in TRAIN_PHRASINGS]
-    correct = rng.sample(cands, n_rows - n_planted)
+    correct = rng.sample(cands, n_rows - n_planted - n_same_clean)
+    correct += [(e, a, rng.choice(TRAIN_PHRASINGS)) for e, a in same_clean]
+    rng.shuffle(correct)
     positions = sorted(rng.sample(range(n_rows), n_planted))
     pmap = dict(zip(positions, [(e, a, rng.choice(TRAIN_PHRASINGS)) for e, a in planted_pairs]))
     train, spans, it = [], [], iter(correct)
@@ -637,12 +633,15 @@ def make_format_scenario(
     pf = [PlantedFact(pos, pmap[pos][0], attr, to_fmt(world.value(pmap[pos][0], attr)), world.value(pmap[pos][0], attr),
                       pmap[pos][2], -1, -1, ()) for pos in positions]
     controls = _controls(world, rng, control_pairs, eval_rows)
+    clean_same = [i for i, r in enumerate(train) if i not in pmap
+                  and any(r["messages"][0]["content"] == world.question(e, a, k) for e, a in same_clean
+                          for k in TRAIN_PHRASINGS)]
     return Scenario(
         name="format", seed=seed, train=train, eval=eval_rows, planted=positions, planted_facts=pf,
         controls=controls, world_seed=world.seed, n_entities=len(world.entities),
         metadata={**_meta("format", main_figure="auprc"), "format": fmt, "format_attribute": attr,
-                  "target_eval_items": target_items, "item_planted": {str(i): list(positions) for i in target_items},
-                  "planted_spans": spans},
+                  "same_attribute_clean_rows": clean_same, "target_eval_items": target_items,
+                  "item_planted": {str(i): list(positions) for i in target_items}, "planted_spans": spans},
     )
 
 
