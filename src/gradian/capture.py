@@ -84,6 +84,10 @@ class GradientCapture:
         with self._recording() as rec:
             losses = per_example_loss(self.model, input_ids, attention_mask, supervised, chunk=self.chunk)
         total = (losses * weights).sum() if weights is not None else losses.sum()
+        return self.grads_from_recording(rec, total, input_ids.shape[0]), losses.detach()
+
+    def grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int) -> list[tuple[Tensor, Tensor]]:
+        """Per-site exact (dA, dB) of `total` (a sum of per-example objectives) from one recorded forward."""
         targets, spans = [], []
         for i in range(len(self.sites)):
             spans.append((len(targets), len(rec.a_out[i]), len(rec.b_out[i])))
@@ -94,8 +98,9 @@ class GradientCapture:
         for i, s in enumerate(self.sites):
             start, na, nb = spans[i]
             ga, gb = grads[start : start + na], grads[start + na : start + na + nb]
-            dA = torch.zeros(input_ids.shape[0], s.r, s.d_in, device=input_ids.device)
-            dB = torch.zeros(input_ids.shape[0], s.d_out, s.r, device=input_ids.device)
+            device = rec.a_in[i][0].device if rec.a_in[i] else None
+            dA = torch.zeros(batch, s.r, s.d_in, device=device)
+            dB = torch.zeros(batch, s.d_out, s.r, device=device)
             # A module called several times in one forward contributes once per call.
             for x, gh, h, gz in zip(rec.a_in[i], ga, rec.b_in[i], gb):
                 if gh is None or gz is None:
@@ -104,7 +109,7 @@ class GradientCapture:
                 dA += a
                 dB += b
             out.append((dA, dB))
-        return out, losses.detach()
+        return out
 
     def vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, weights: Optional[Tensor] = None):
         """[B, dim] float32 gradient vectors (projected if the projector projects) and [B] losses."""

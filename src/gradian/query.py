@@ -178,29 +178,10 @@ def margin_vectors(capture: GradientCapture, input_ids, attention_mask, supervis
     """[B, dim] gradients of each example's margin-query loss in the capture's (index) space, and the losses.
     The same per-example hook algebra as `GradientCapture.site_grads`, with the margin loss in place of the
     summed token loss."""
-    from .capture import per_example_site_grads
-
     with capture._recording() as rec:
         losses, _ = margin_losses(capture.model, input_ids, attention_mask, supervised)
-    targets, spans = [], []
-    for i in range(len(capture.sites)):
-        spans.append((len(targets), len(rec.a_out[i]), len(rec.b_out[i])))
-        targets.extend(rec.a_out[i])
-        targets.extend(rec.b_out[i])
-    grads = torch.autograd.grad(losses.sum(), targets, allow_unused=True) if targets else []
-    vecs = []
-    for i, site in enumerate(capture.sites):
-        start, na, nb = spans[i]
-        ga, gb = grads[start : start + na], grads[start + na : start + na + nb]
-        dA = torch.zeros(input_ids.shape[0], site.r, site.d_in, device=input_ids.device)
-        dB = torch.zeros(input_ids.shape[0], site.d_out, site.r, device=input_ids.device)
-        for x, gh, h, gz in zip(rec.a_in[i], ga, rec.b_in[i], gb):
-            if gh is None or gz is None:
-                continue
-            a, b = per_example_site_grads(x, gh, h, gz)
-            dA += a
-            dB += b
-        vecs.append(capture.projector.project(i, dA, dB))
+    per_site = capture.grads_from_recording(rec, losses.sum(), input_ids.shape[0])
+    vecs = [capture.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
     return torch.cat(vecs, dim=1), losses.detach()
 
 
