@@ -276,3 +276,19 @@ def test_build_index_fits_stores_and_reuses_the_basis(tmp_path, random_lora_mode
     assert meta3["projection_basis"]["sha256"] == sha  # the fit is deterministic: same sample, same bits
     assert np.array_equal(v1, v3)
     assert json.loads((cfg.index_dir / "k" / "manifest.json").read_text())["key"].endswith(sha[:16])
+
+
+def test_projection_fit_rows_setting_reaches_the_fit(random_lora_model):
+    """grads.projection_fit_rows sets how many rows the data-aware basis is fitted on and is part of the cache key."""
+    from gradian.config import config_from_dict
+    from gradian.indexing import make_projector
+    from gradian.modeling import lora_sites
+
+    sites, _ = lora_sites(random_lora_model)
+    mk = lambda n: make_projector(config_from_dict({  # noqa: E731
+        "model": {"base": "x"}, "data": {"train": "t.jsonl"},
+        "grads": {"projection_dim": 96, "projection_fit_rows": n}}), sites)
+    assert mk(7).fit_rows == 7 and mk(512).fit_rows == 512
+    assert mk(7).spec() != mk(512).spec()  # a basis fitted on other rows never reuses an index
+    with pytest.raises(Exception, match="projection_fit_rows"):
+        mk(0)

@@ -43,6 +43,9 @@ class GradsConfig(_Section):
     projection_dim: Optional[int] = Field(default=None, ge=1)
     projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "data-aware"
     projection_seed: int = 0
+    # Rows a data-aware basis is fitted on (2 exact capture passes over them before the build): more rows cost more
+    # but fit a basis closer to the whole set's gradient subspace.
+    projection_fit_rows: int = Field(default=512, ge=1)
     rerank: int = Field(default=200, ge=0)
     fidelity_sample: int = Field(default=512, ge=0)
     fidelity_warn: float = Field(default=0.9, ge=0.0, le=1.0)

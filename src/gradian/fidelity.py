@@ -11,9 +11,9 @@ place, so the only difference between two retrains is the removed rows; see :mod
   for each failing item the predicted change is the sum of the removed rows' per-item scores and the actual change
   its query measurement; the Spearman over subsets is averaged over the items.
 
-The query measurement, per failing item q, is the query loss the attribution differentiates: the contrastive
-``L_q = loss(expected answer) - loss(the fine-tune's wrong answer)`` (summed token losses; ``loss(expected)`` for
-classic queries). Scores are ``-<q_hat, g>`` with unit query gradients, so the actual change that matches a score in
+The query measurement, per failing item q, is the query loss the attribution differentiates
+(`query.query_losses`): the contrastive ``L_q = loss(expected answer) - loss(the fine-tune's wrong answer)`` (summed
+token losses; ``loss(expected)`` for classic queries; minus the margin at the decisive token for margin queries). Scores are ``-<q_hat, g>`` with unit query gradients, so the actual change that matches a score in
 sign and scale is ``a_q = s * (L_q(reference) - L_q(retrain)) / |grad L_q|``: positive when removing the rows lowered
 the failure's loss (they were harmful), with ``s = -1`` when the report attributes an improvement (its scores rank the
 rows that helped). A row's LOO actual change is the mean of ``a_q`` over the items, like its score.
@@ -81,35 +81,12 @@ def _query_items(report: dict):
 
 
 def query_losses(model, s, qitems) -> np.ndarray:
-    """[Q] query loss of each failing item under `model`: loss(expected) - loss(generated) (contrastive)."""
-    import torch
+    """[Q] query loss of each failing item under `model`: the function `query.query_vectors` differentiates
+    (contrastive, classic or margin), through `query.query_losses`."""
+    from .query import query_losses as _losses
 
-    from .data import collate, eval_answer_example, tokenize_example
-    from .loss import per_example_loss
-
-    by_pos = {it.position: it for it in s.eval_items}
-    rows, owner, sign = [], [], []
-    for qi, q in enumerate(qitems):
-        it = by_pos[q.item]
-        rows.append(tokenize_example(s.tokenizer, eval_answer_example(it, q.expected, s.chat), s.cfg.grads.max_seq_length))
-        owner.append(qi)
-        sign.append(1.0)
-        if q.formulation == "contrastive":
-            rows.append(tokenize_example(s.tokenizer, eval_answer_example(it, q.generated, s.chat),
-                                         s.cfg.grads.max_seq_length))
-            owner.append(qi)
-            sign.append(-1.0)
-    out = np.zeros(len(qitems), dtype=np.float64)
-    device = next(model.parameters()).device
-    pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
-    bs = s.cfg.grads.batch_size
-    with torch.no_grad():
-        for i in range(0, len(rows), bs):
-            ids, attn, sup = collate(rows[i : i + bs], pad)
-            l = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device)).double().cpu().numpy()
-            for j, v in enumerate(l):
-                out[owner[i + j]] += sign[i + j] * float(v)
-    return out
+    return _losses(model, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=s.cfg.grads.max_seq_length,
+                   batch_size=s.cfg.grads.batch_size)
 
 
 def _scores_for(s, capture, idx, row_keys, qitems, direction: str, preconditioner: str) -> np.ndarray:

@@ -49,7 +49,8 @@ class IndexInfo:
 
 def make_projector(cfg: Config, sites: Sequence[LoraSite]) -> Projector:
     g = cfg.grads
-    return Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed)
+    return Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed,
+                     fit_rows=g.projection_fit_rows)
 
 
 def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str) -> str:
