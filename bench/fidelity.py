@@ -7,7 +7,9 @@
 For each scenario x seed (`gradian.demo.scenarios`): write the scenario, train its LoRA once with the scenario's
 recipe (an adapter whose recorded recipe and data match is reused), then run `gradian.api.attribute` once per
 preconditioner (the gradient index is cached by key and shared by every run of that adapter), then the baselines
-(`gradian.baselines`: representation similarity, BM25, gradient cosine) on the same failing items.
+(`gradian.baselines`: representation similarity, BM25, gradient cosine) on the same failing items. Method
+``diagonal+ck8`` is the diagonal preconditioner with ``attribution.checkpoints=8`` (scores averaged over 8 epoch
+checkpoints replayed from the recipe; `gradian.checkpoints`).
 
 Figures (means over seeds; "n/a" where a method or the report does not give the field):
   auprc, r@k      AUPRC and recall@k of the planted rows in the aggregate ranking (k = number of planted rows)
@@ -45,6 +47,14 @@ sys.path.insert(0, str(ROOT / "src"))
 
 PRECONDITIONERS = ["identity", "diagonal", "fisher", "datainf"]
 BASELINE_METHODS = ["repsim", "bm25", "gradcos"]
+# "<preconditioner>+ck<N>": that preconditioner with attribution.checkpoints=N (scores averaged over N epoch
+# checkpoints replayed from the recipe, TracIn-CP); not the default, so compared beside it
+CHECKPOINT_METHODS = ["diagonal+ck8"]
+
+
+def method_settings(m: str) -> tuple[str, int]:
+    p, _, ck = m.partition("+ck")
+    return p, int(ck) if ck else 1
 FULL_SEEDS = {"substitution": [0, 1, 2], "conversation4": [0, 1, 2], "conversation8": [0, 1, 2], "buried": [0, 1, 2],
               "cluster": [0, 1, 2], "format": [0, 1, 2], "null": list(range(20))}
 QUICK_SEEDS = {"substitution": [0], "conversation4": [0], "conversation8": [0], "buried": [0], "cluster": [0],
@@ -210,14 +220,16 @@ def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_che
     res: dict[str, Any] = {"scenario": name, "seed": seed, "dir": str(d), "train_cpu_s": round(train_cpu, 2),
                            "adapter_reused": reused, "recipe": truth.get("train"), "methods": {}}
     default = default_preconditioner()
-    preconds = [m for m in methods if m in PRECONDITIONERS]
+    preconds = [m for m in methods if method_settings(m)[0] in PRECONDITIONERS]
     if name == "null":
         preconds = [default]
     if default in preconds:
         preconds = [default] + [p for p in preconds if p != default]
     reports: dict[str, dict] = {}
     for p in preconds:
-        cfg = load_config(cfg_path, [f"attribution.preconditioner={p}", f"output=out-{p}"])
+        pname, n_ck = method_settings(p)
+        cfg = load_config(cfg_path, [f"attribution.preconditioner={pname}", f"attribution.checkpoints={n_ck}",
+                                     f"output=out-{p}"])
         t0 = time.process_time()
         try:
             rep = attribute(cfg, truth=truth)
@@ -432,7 +444,7 @@ def main(argv=None) -> int:
     if args.seeds:
         seeds = [int(x) for x in args.seeds.split(",")]
         plan = {n: seeds for n in plan}
-    methods = (PRECONDITIONERS + BASELINE_METHODS) if not args.methods else [m.strip() for m in args.methods.split(",")]
+    methods = (PRECONDITIONERS + CHECKPOINT_METHODS + BASELINE_METHODS) if not args.methods else [m.strip() for m in args.methods.split(",")]
     single = args.single_checks if args.single_checks is not None else (0 if args.quick else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

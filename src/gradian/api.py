@@ -180,6 +180,9 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
     t_all = time.time()
     s = open_session(cfg)
     run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
+    from .checkpoints import explicit_adapters
+
+    explicit_adapters(cfg)  # a missing checkpoint folder stops the run here, not after the evaluation
     out_dir = cfg.output_dir
     cap: Optional[CapabilityResult] = None
     report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}
@@ -217,6 +220,11 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
         sc = None
         if verdict == "attributed":
             sc = score_items(s, capture, idx, row_keys, qitems, direction, details=True)
+            from .checkpoints import apply as over_checkpoints
+
+            ck = over_checkpoints(s, sc, qitems, direction)
+            if ck is not None:
+                report["query"]["checkpoints"] = ck
             order, fid = sc.order, sc.fidelity
             scores = sc.rank_agg.astype(np.float32)
             totals = aggregate(sc.per_item).astype(np.float32)

@@ -71,6 +71,10 @@ class AttributionConfig(_Section):
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)
+    # Average the scores over this many training checkpoints, the final adapter included (TracIn-CP); the earlier
+    # ones are replayed from the adapter's Gradian recipe, or taken from checkpoint_adapters.
+    checkpoints: int = Field(default=1, ge=1)
+    checkpoint_adapters: list[str] = Field(default_factory=list)
 
 
 class TrainConfig(_Section):

@@ -98,7 +98,11 @@ def _scores_for(s, capture, idx, row_keys, qitems, direction: str, preconditione
     s.cfg.root = saved.root
     s.cfg.attribution.preconditioner = preconditioner
     try:
-        per_item, _, _ = score_items(s, capture, idx, row_keys, qitems, direction)
+        sc = score_items(s, capture, idx, row_keys, qitems, direction, details=True)
+        from .checkpoints import apply as over_checkpoints
+
+        over_checkpoints(s, sc, qitems, direction)  # attribution.checkpoints: the scores `attribute` reports
+        per_item = sc.per_item
     finally:
         s.cfg = saved
     return np.asarray(per_item, dtype=np.float64)

@@ -40,9 +40,13 @@ def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[lis
 
 def train_adapter(
     cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[dict] = None,
-    progress: bool = True,
+    progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
 ) -> Path:
-    """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir."""
+    """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir.
+
+    `checkpoint_epochs` (1-based) also saves the adapter after each of those epochs to `checkpoint_dir/epoch-<k>`,
+    each with its own recipe (``epochs: k``). The data order and the constant schedule depend on the epoch index
+    only, so a checkpoint is bit-identical to a run trained for k epochs."""
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
@@ -77,8 +81,30 @@ def train_adapter(
     device = next(model.parameters()).device
     n_steps = sum(len(ep) for ep in order)
     gen = torch.Generator().manual_seed(seed)
+    save_at = sorted(set(int(k) for k in checkpoint_epochs))
+    if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > hp["epochs"]):
+        raise ValueError(f"checkpoint_epochs {save_at}: need a checkpoint_dir and epochs within 1..{hp['epochs']}")
+
+    def record(epochs: int) -> dict:
+        return {
+            "schema": "gradian.recipe/1",
+            "backend": "hf",
+            "seed": seed,
+            "hyperparameters": {**hp, "epochs": epochs},
+            "schedule": "constant learning rate, AdamW, token-weighted mean over each batch's supervised tokens",
+            "data": str(cfg.path(cfg.data.train)),
+            "dataset_fingerprint": fp,
+            "n_examples": len(examples),
+            "excluded_positions": sorted(excluded),
+            "removal": "zero-weighted in place: other examples keep their batches and steps",
+            "data_order": "numpy default_rng([seed, epoch]).permutation(n), batches of batch_size",
+            "base": cfg.model.base,
+            "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+            "train_seconds": round(time.time() - t0, 2),
+        }
+
     with progress_bar("train", total=n_steps if progress else 0, unit="steps") as bar:
-        for epoch in order:
+        for e_no, epoch in enumerate(order, start=1):
             for batch in epoch:
                 ids, attn, sup = collate([toks[i] for i in batch], pad)
                 weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
@@ -98,29 +124,26 @@ def train_adapter(
                     torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
                 opt.step()
                 bar.advance()
+            if e_no in save_at and e_no < hp["epochs"]:
+                model.eval()
+                save_adapter(model, Path(checkpoint_dir) / f"epoch-{e_no}", record(e_no))
+                model.train()
     model.eval()
     out_dir = Path(out_dir) if out_dir else cfg.adapter_out
+    save_adapter(model, out_dir, record(hp["epochs"]))
+    if save_at and save_at[-1] == hp["epochs"]:
+        save_adapter(model, Path(checkpoint_dir) / f"epoch-{hp['epochs']}", record(hp["epochs"]))
+    return out_dir
+
+
+def save_adapter(model, out_dir: Path, recipe: dict) -> Path:
+    """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written)."""
+    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
-        rec = {
-            "schema": "gradian.recipe/1",
-            "backend": "hf",
-            "seed": seed,
-            "hyperparameters": hp,
-            "schedule": "constant learning rate, AdamW, token-weighted mean over each batch's supervised tokens",
-            "data": str(cfg.path(cfg.data.train)),
-            "dataset_fingerprint": fp,
-            "n_examples": len(examples),
-            "excluded_positions": sorted(excluded),
-            "removal": "zero-weighted in place: other examples keep their batches and steps",
-            "data_order": "numpy default_rng([seed, epoch]).permutation(n), batches of batch_size",
-            "base": cfg.model.base,
-            "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
-            "train_seconds": round(time.time() - t0, 2),
-        }
-        (tmp / RECIPE_FILE).write_text(json.dumps(rec, indent=2))
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -1,0 +1,156 @@
+"""Scores averaged over training checkpoints (TracIn-CP style): `attribution.checkpoints`.
+
+A gradient at the final adapter shows what a row would still teach, not what training on it did: a row the fine-tune
+learned early and fits well by the end has a small gradient there, whatever it caused (the format scenario: a third
+of the rows that taught the wrong format score as helpful at the final adapter). TracIn sums the test-train inner
+products over checkpoints of the run; with a constant learning rate the weights are equal, so Gradian averages each
+checkpoint's per-item scores (each with its own index, preconditioner and query gradients).
+
+Where the checkpoints come from, in order:
+
+* ``attribution.checkpoint_adapters``: adapter directories saved during training elsewhere (e.g. a Trainer's
+  ``checkpoint-*`` folders), used as given;
+* otherwise, when the adapter carries a Gradian recipe, ``attribution.checkpoints - 1`` evenly spaced epochs are
+  replayed once from it (deterministic: a checkpoint of epoch k is bit-identical to a k-epoch run) and cached under
+  the index directory, keyed by the adapter's fingerprint.
+
+The final adapter is always one of the checkpoints, and the one that re-ranking, windows, spans and blame use.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def checkpoint_epochs(total: int, count: int) -> list[int]:
+    """`count` evenly spaced epochs in 1..total ending at `total` (every epoch when count >= total)."""
+    if total < 1 or count < 1:
+        raise ValueError("total and count must be >= 1")
+    if count >= total:
+        return list(range(1, total + 1))
+    return sorted({max(1, int(round(total * j / count))) for j in range(1, count + 1)})
+
+
+def explicit_adapters(cfg) -> list[Path]:
+    out = []
+    for i, a in enumerate(cfg.attribution.checkpoint_adapters):
+        p = cfg.path(a)
+        if p is None or not (p / "adapter_config.json").exists():
+            raise ConfigError(f"attribution.checkpoint_adapters[{i}] {a!r}: not an adapter directory (no "
+                              "adapter_config.json); list the PEFT checkpoint folders saved during training")
+        out.append(p)
+    return out
+
+
+def replay_dir(cfg, adapter_path: str, recipe: dict) -> Path:
+    from .modeling import dir_fingerprint
+
+    h = hashlib.sha256(json.dumps({"adapter": dir_fingerprint(adapter_path), "recipe": recipe.get("hyperparameters"),
+                                   "seed": recipe.get("seed"), "data": recipe.get("dataset_fingerprint")},
+                                  sort_keys=True).encode()).hexdigest()[:16]
+    return cfg.index_dir / CHECKPOINTS_DIR / h
+
+
+def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = True) -> tuple[list[Path], list[int]]:
+    """The earlier checkpoints of a Gradian-trained adapter, replayed from its recipe once and cached."""
+    from .train import RECIPE_FILE, read_recipe, train_adapter
+
+    recipe = read_recipe(adapter_path)
+    if recipe is None:
+        return [], []
+    total = int(recipe["hyperparameters"]["epochs"])
+    epochs = [k for k in checkpoint_epochs(total, count) if k < total]
+    if not epochs:
+        return [], []
+    root = replay_dir(cfg, adapter_path, recipe)
+    paths = [root / f"epoch-{k}" for k in epochs]
+    missing = [k for k, p in zip(epochs, paths) if not ((p / RECIPE_FILE).exists()
+                                                     and (p / "adapter_model.safetensors").exists())]
+    if missing:
+        rec = copy.deepcopy(recipe)
+        rec["hyperparameters"]["epochs"] = max(epochs)
+        rec.pop("excluded_positions", None)
+        excl = recipe.get("excluded_positions") or []
+        train_adapter(cfg, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", recipe=rec, progress=progress,
+                      checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root)
+    return paths, epochs
+
+
+def resolve(s) -> tuple[list[Path], list[str]]:
+    """(earlier checkpoint adapters, their labels) for the session's config; flags when none can be had."""
+    cfg = s.cfg
+    if cfg.attribution.checkpoint_adapters:
+        paths = explicit_adapters(cfg)
+        return paths, [p.name for p in paths]
+    if cfg.attribution.checkpoints <= 1:
+        return [], []
+    paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
+    if not paths:
+        s.flag("attribution.no_checkpoints", "warning",
+               f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
+               "replay (or trained for one epoch); scores use the final adapter only",
+               "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
+               "with `gradian train`")
+    return paths, [f"epoch-{k}" for k in epochs]
+
+
+def checkpoint_scores(s, paths: Sequence[Path], qitems, direction: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(per_item, rank_item) [Q, N] of each earlier checkpoint: its own index, preconditioner and query gradients;
+    no exact re-ranking or self-check (those are for the final adapter's scores)."""
+    from . import api
+
+    out = []
+    for p in paths:
+        c = s.cfg.model_copy(deep=True)
+        c.root = s.cfg.root
+        c.model.adapter = str(Path(p).resolve())
+        c.attribution.checkpoints, c.attribution.checkpoint_adapters = 1, []
+        c.grads.rerank = c.grads.fidelity_sample = 0
+        sub = api.open_session(c)
+        capture, idx, row_keys, _ = api.index(sub)
+        try:
+            sc = api.score_items(sub, capture, idx, row_keys, qitems, direction, details=True)
+        finally:
+            idx.close()
+        out.append((np.asarray(sc.per_item, dtype=np.float64), np.asarray(sc.rank_item, dtype=np.float64)))
+        del sub
+    return out
+
+
+def average(final: np.ndarray, earlier: Sequence[np.ndarray]) -> np.ndarray:
+    """Equal-weight mean of the final checkpoint's scores and the earlier ones' (TracIn with a constant rate)."""
+    return (np.asarray(final, dtype=np.float64) + sum(np.asarray(e, dtype=np.float64) for e in earlier)) / (
+        1 + len(earlier))
+
+
+def apply(s, sc, qitems, direction: str) -> Optional[dict]:
+    """Average `sc` (the final adapter's `Scored`) with the earlier checkpoints' scores, in place; the ranking then
+    follows the averaged scores (the exact re-ranking order of the final adapter alone is dropped). Returns the
+    report entry, or None when no earlier checkpoint is used."""
+    from .scoring import aggregate
+
+    t0 = time.time()
+    paths, labels = resolve(s)
+    if not paths:
+        return None
+    parts = checkpoint_scores(s, paths, qitems, direction)
+    sc.per_item = average(sc.per_item, [p for p, _ in parts])
+    sc.rank_item = average(sc.rank_item, [r for _, r in parts])
+    sc.rank_agg = aggregate(sc.rank_item)
+    sc.order = None
+    s.timings["checkpoints"] = round(time.time() - t0, 3)
+    return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
+            "labels": labels + ["final"],
+            "rule": "per-item scores averaged with equal weights over these checkpoints (TracIn-CP, constant "
+                    "learning rate); re-ranking, windows, spans and blame use the final adapter"}

@@ -1,0 +1,143 @@
+"""attribution.checkpoints: epoch checkpoints replayed from the recipe are the adapters a shorter run gives, and the
+reported scores are the equal-weight mean of each checkpoint's scores (TracIn-CP with a constant rate)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from test_verify import write_tiny_run
+
+torch.set_num_threads(1)
+
+
+def test_checkpoint_epochs_are_evenly_spaced_and_end_at_the_last():
+    from gradian.checkpoints import checkpoint_epochs
+
+    assert checkpoint_epochs(16, 8) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert checkpoint_epochs(8, 4) == [2, 4, 6, 8]
+    assert checkpoint_epochs(3, 8) == [1, 2, 3]
+    assert checkpoint_epochs(5, 1) == [5]
+    with pytest.raises(ValueError):
+        checkpoint_epochs(0, 2)
+
+
+def test_average_is_the_equal_weight_mean():
+    from gradian.checkpoints import average
+
+    a, b, c = np.array([[1.0, -2.0]]), np.array([[3.0, 0.0]]), np.array([[-1.0, 5.0]])
+    np.testing.assert_array_equal(average(a, [b, c]), np.array([[1.0, 1.0]]))
+    np.testing.assert_array_equal(average(a, []), a)
+
+
+@pytest.fixture(scope="module")
+def two_epoch_run(tmp_path_factory):
+    from gradian.config import load_config
+    from gradian.train import train_adapter
+
+    d = tmp_path_factory.mktemp("ckpt") / "run"
+    cfg = load_config(write_tiny_run(d, n_rows=24, n_planted=2, n_control_eval=2, train={"epochs": 2}))
+    train_adapter(cfg, progress=False)
+    return cfg
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_replayed_checkpoint_is_the_shorter_run_bit_for_bit(two_epoch_run, tmp_path):
+    from gradian.checkpoints import replayed_adapters
+    from gradian.train import read_recipe, train_adapter
+
+    cfg = two_epoch_run
+    adapter = str(cfg.path(cfg.model.adapter))
+    paths, epochs = replayed_adapters(cfg, adapter, 2, progress=False)
+    assert epochs == [1] and len(paths) == 1 and read_recipe(paths[0])["hyperparameters"]["epochs"] == 1
+    short = dict(read_recipe(adapter))
+    short["hyperparameters"] = {**short["hyperparameters"], "epochs": 1}
+    ref = train_adapter(cfg, out_dir=tmp_path / "one-epoch", recipe=short, progress=False)
+    ta, tb = _tensors(paths[0]), _tensors(ref)
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    final = _tensors(cfg.path(cfg.model.adapter))
+    assert any(not torch.equal(ta[k], final[k]) for k in ta)  # an earlier state, not the final adapter
+    mtime = (paths[0] / "adapter_model.safetensors").stat().st_mtime_ns
+    again, _ = replayed_adapters(cfg, adapter, 2, progress=False)  # cached: not replayed twice
+    assert again == paths and (paths[0] / "adapter_model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
+    from gradian import api
+    from gradian.checkpoints import replayed_adapters
+    from gradian.scoring import aggregate
+
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    cfg.output = str(tmp_path / "out")
+    cfg.attribution.checkpoints = 2
+    rep = api.attribute(cfg)
+    assert rep["verdict"] == "attributed"
+    ck = rep["query"]["checkpoints"]
+    assert ck["count"] == 2 and ck["labels"] == ["epoch-1", "final"]
+    got = np.load(tmp_path / "out" / "scores.npy")
+
+    # the same scores by hand: each adapter scored alone (checkpoints=1), then averaged
+    qitems = [it for it in rep["query"]["items"]]
+    from gradian.query import QueryItem
+
+    q = [QueryItem(int(i["item"]), i["prompt"], i["expected"], i["generated"], i.get("base_generated", ""),
+                   i["formulation"]) for i in qitems]
+    direction = rep["query"]["direction"]
+    per = []
+    (early,), _ = replayed_adapters(cfg, str(cfg.path(cfg.model.adapter)), 2, progress=False)
+    for adapter in (str(early), str(cfg.path(cfg.model.adapter))):
+        c = cfg.model_copy(deep=True)
+        c.root = cfg.root
+        c.model.adapter = adapter
+        c.attribution.checkpoints = 1
+        s = api.open_session(c)
+        capture, idx, keys, _ = api.index(s)
+        per.append(api.score_items(s, capture, idx, keys, q, direction, details=True).rank_item)
+        idx.close()
+    want = aggregate((per[0] + per[1]) / 2)
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-7)
+    # and it differs from the final adapter's scores alone
+    assert not np.allclose(got, aggregate(per[1]), rtol=1e-3, atol=1e-6)
+
+
+def test_no_recipe_flags_and_uses_the_final_adapter(two_epoch_run, tmp_path):
+    import shutil
+
+    from gradian import api
+
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    foreign = tmp_path / "foreign-adapter"
+    shutil.copytree(cfg.path(cfg.model.adapter), foreign)
+    (foreign / "gradian_recipe.json").unlink()
+    cfg.model.adapter = str(foreign)
+    cfg.output = str(tmp_path / "out")
+    cfg.attribution.checkpoints = 4
+    rep = api.attribute(cfg)
+    assert "checkpoints" not in rep["query"]
+    flag = [f for f in rep["flags"] if f["id"] == "attribution.no_checkpoints"]
+    assert flag and "checkpoint_adapters" in flag[0]["fix"]
+
+
+def test_explicit_checkpoint_adapter_must_exist(two_epoch_run, tmp_path):
+    from gradian import api
+    from gradian.errors import ConfigError
+
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    cfg.output = str(tmp_path / "out")
+    cfg.attribution.checkpoint_adapters = ["no/such/checkpoint-100"]
+    with pytest.raises(ConfigError, match=r"attribution.checkpoint_adapters\[0\].*checkpoint-100"):
+        api.attribute(cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
