@@ -85,6 +85,7 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
     assert rep["verdict"] == "attributed"
     ck = rep["query"]["checkpoints"]
     assert ck["count"] == 2 and ck["labels"] == ["epoch-1", "final"]
+    assert "Scores averaged over 2 training checkpoints: epoch-1, final" in (tmp_path / "out" / "report.html").read_text()
     got = np.load(tmp_path / "out" / "scores.npy")
 
     # the same scores by hand: each adapter scored alone (checkpoints=1), then averaged

@@ -488,7 +488,10 @@ def _query(report: Mapping[str, Any], rank_by_pos: dict[int, Any]) -> dict[str, 
                 "top": top,
             }
         )
-    return {"formulation": _str(q.get("formulation")), "rows": items[:MAX_ITEMS_SHOWN], "total": len(items)}
+    ck = _dict(q.get("checkpoints"))
+    checkpoints = [_str(x) for x in (ck.get("labels") or [])] if isinstance(ck.get("labels"), list) else []
+    return {"formulation": _str(q.get("formulation")), "rows": items[:MAX_ITEMS_SHOWN], "total": len(items),
+            "checkpoints": checkpoints}
 
 
 def _fidelity(index: Mapping[str, Any], fidelity: Mapping[str, Any] | None) -> list[dict[str, Any]]:
