@@ -397,13 +397,15 @@ def acceptance(summary: dict, default: str) -> list[dict]:
             continue
         if fig == "cluster":
             fig = "auprc"  # baselines have no cluster test of their own; compare the poisons' AUPRC
-        g = get(name, fig)
-        for b in BASELINE_METHODS:
-            v = get(name, fig, b)
-            if v is None or g is None:
-                continue
-            checks.append({"id": f"{name}.{fig}.beats_{b}", "value": g, "target": v, "pass": bool(g > v),
-                           "note": "tie" if g == v else ""})
+        for m in [default] + CHECKPOINT_METHODS:
+            g = get(name, fig, m)
+            tag = "" if m == default else f"[{m}]"
+            for b in BASELINE_METHODS:
+                v = get(name, fig, b)
+                if v is None or g is None:
+                    continue
+                checks.append({"id": f"{name}.{fig}{tag}.beats_{b}", "value": g, "target": v, "pass": bool(g > v),
+                               "note": "tie" if g == v else ("opt-in, not the default" if tag else "")})
     return checks
 
 
