@@ -100,3 +100,23 @@ def test_module_filter_keeps_only_named_types():
     model = make_random_lora_model()
     sites, _ = lora_sites(model, ["down_proj"])
     assert [s.module_type for s in sites] == ["down_proj", "down_proj"]
+
+
+def test_a_module_called_twice_in_one_forward_contributes_both_calls():
+    """Weight sharing (a LoRA Linear run twice per forward) sums both calls' outer products, as autograd does."""
+    model = make_random_lora_model()
+    sites, _ = lora_sites(model)
+    mlp = model.get_base_model().model.layers[0].mlp
+    orig = mlp.forward
+    mlp.forward = lambda x: orig(x) + orig(0.5 * x)  # gate/up/down of layer 0 each run twice
+    ids, attn, sup = _batch()
+    vecs, _ = GradientCapture(model, sites, chunk=5).vectors(ids, attn, sup)
+    ref = _naive_grads(model, sites, ids, attn, sup)
+    off = 0
+    for s in sites:
+        n = s.numel
+        assert _rel(vecs[:, off : off + n], ref[:, off : off + n]) < 1e-6, s.name
+        off += n
+    mlp.forward = orig
+    single, _ = GradientCapture(model, sites, chunk=5).vectors(ids, attn, sup)
+    assert _rel(single, vecs) > 1e-3  # the second call really contributed

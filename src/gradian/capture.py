@@ -98,13 +98,15 @@ class GradientCapture:
         for i, s in enumerate(self.sites):
             start, na, nb = spans[i]
             ga, gb = grads[start : start + na], grads[start + na : start + na + nb]
+            calls = [c for c in zip(rec.a_in[i], ga, rec.b_in[i], gb) if c[1] is not None and c[3] is not None]
+            if len(calls) == 1:  # the usual case: no zero-fill and accumulation copy of the full gradient
+                out.append(per_example_site_grads(*calls[0]))
+                continue
             device = rec.a_in[i][0].device if rec.a_in[i] else None
             dA = torch.zeros(batch, s.r, s.d_in, device=device)
             dB = torch.zeros(batch, s.d_out, s.r, device=device)
             # A module called several times in one forward contributes once per call.
-            for x, gh, h, gz in zip(rec.a_in[i], ga, rec.b_in[i], gb):
-                if gh is None or gz is None:
-                    continue
+            for x, gh, h, gz in calls:
                 a, b = per_example_site_grads(x, gh, h, gz)
                 dA += a
                 dB += b
