@@ -70,6 +70,15 @@ def test_replayed_checkpoint_is_the_shorter_run_bit_for_bit(two_epoch_run, tmp_p
     mtime = (paths[0] / "adapter_model.safetensors").stat().st_mtime_ns
     again, _ = replayed_adapters(cfg, adapter, 2, progress=False)  # cached: not replayed twice
     assert again == paths and (paths[0] / "adapter_model.safetensors").stat().st_mtime_ns == mtime
+    # a corrupted cache is detected and replayed, not trusted
+    f = paths[0] / "adapter_model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    replayed_adapters(cfg, adapter, 2, progress=False)
+    tc = _tensors(paths[0])
+    for k in ta:
+        assert torch.equal(tc[k], tb[k]), k
 
 
 def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):

@@ -31,6 +31,7 @@ import numpy as np
 from .errors import ConfigError
 
 CHECKPOINTS_DIR = "checkpoints"
+SEAL_FILE = "gradian_checkpoint.sha256"
 
 
 def checkpoint_epochs(total: int, count: int) -> list[int]:
@@ -75,16 +76,39 @@ def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = Tr
         return [], []
     root = replay_dir(cfg, adapter_path, recipe)
     paths = [root / f"epoch-{k}" for k in epochs]
-    missing = [k for k, p in zip(epochs, paths) if not ((p / RECIPE_FILE).exists()
-                                                     and (p / "adapter_model.safetensors").exists())]
-    if missing:
+    if not all(_intact(p) for p in paths):
         rec = copy.deepcopy(recipe)
         rec["hyperparameters"]["epochs"] = max(epochs)
         rec.pop("excluded_positions", None)
         excl = recipe.get("excluded_positions") or []
         train_adapter(cfg, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", recipe=rec, progress=progress,
                       checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root)
+        for p in paths:
+            _seal(p)
     return paths, epochs
+
+
+def _digest(p: Path) -> str:
+    h = hashlib.sha256()
+    for name in sorted(x.name for x in p.iterdir() if x.is_file() and x.name != SEAL_FILE):
+        h.update(name.encode() + b"\0" + (p / name).read_bytes())
+    return h.hexdigest()
+
+
+def _seal(p: Path) -> None:
+    from .report import atomic_write_text
+
+    atomic_write_text(p / SEAL_FILE, _digest(p))
+
+
+def _intact(p: Path) -> bool:
+    """A replayed checkpoint is reused only when its files still hash to what the replay wrote (a truncated or
+    edited cache is replayed again, not trusted)."""
+    seal = p / SEAL_FILE
+    try:
+        return seal.exists() and seal.read_text().strip() == _digest(p)
+    except OSError:
+        return False
 
 
 def resolve(s) -> tuple[list[Path], list[str]]:
