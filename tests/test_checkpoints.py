@@ -151,3 +151,27 @@ def test_explicit_checkpoint_adapter_must_exist(two_epoch_run, tmp_path):
     with pytest.raises(ConfigError, match=r"attribution.checkpoint_adapters\[0\].*checkpoint-100"):
         api.attribute(cfg)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epoch_run, tmp_path):
+    """An adapter trained elsewhere lists its saved checkpoints; with the same checkpoint the scores are the same."""
+    import shutil
+
+    from gradian import api
+    from gradian.checkpoints import replayed_adapters
+
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    (early,), _ = replayed_adapters(cfg, str(cfg.path(cfg.model.adapter)), 2, progress=False)
+    saved = tmp_path / "checkpoint-3"  # as a Trainer would name it
+    shutil.copytree(early, saved)
+    cfg.output = str(tmp_path / "replayed")
+    cfg.attribution.checkpoints = 2
+    api.attribute(cfg)
+    cfg.output = str(tmp_path / "listed")
+    cfg.attribution.checkpoints = 1
+    cfg.attribution.checkpoint_adapters = [str(saved)]
+    rep = api.attribute(cfg)
+    assert rep["query"]["checkpoints"]["labels"] == ["checkpoint-3", "final"]
+    np.testing.assert_array_equal(np.load(tmp_path / "listed" / "scores.npy"),
+                                  np.load(tmp_path / "replayed" / "scores.npy"))
