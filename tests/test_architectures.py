@@ -80,3 +80,21 @@ def test_capture_equals_naive_reference(family):
     for s in sites:
         assert _rel(vecs[:, off : off + s.numel], ref[:, off : off + s.numel]) < 1e-5, (family, s.name)
         off += s.numel
+
+
+def test_bfloat16_model_gives_fp32_vectors_close_to_the_fp32_model():
+    """A bf16 model (model.dtype: bfloat16) is captured in fp32 accumulation: the vectors agree with the fp32 model's
+    to bf16 precision, and the loss is upcast at supervised positions only (finite, close)."""
+    from conftest import make_random_lora_model
+
+    ids, attn, sup = _batch()
+    m32 = make_random_lora_model(dtype=torch.float32)
+    m16 = make_random_lora_model(dtype=torch.bfloat16)
+    s32, _ = lora_sites(m32)
+    s16, _ = lora_sites(m16)
+    v32, l32 = GradientCapture(m32, s32, chunk=5).vectors(ids, attn, sup)
+    v16, l16 = GradientCapture(m16, s16, chunk=5).vectors(ids, attn, sup)
+    assert v16.dtype == torch.float32 and l16.dtype == torch.float32
+    assert torch.isfinite(v16).all()
+    assert _rel(v16, v32) < 0.05
+    torch.testing.assert_close(l16, l32, rtol=0.02, atol=0.05)
