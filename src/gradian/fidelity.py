@@ -333,10 +333,11 @@ def print_fidelity(res: dict, console) -> None:
     t.add_column("LOO Pearson", justify="right")
     t.add_column("LOO Spearman", justify="right")
     t.add_column("LDS (Spearman, mean over items)", justify="right")
+    t.add_column("LDS of the items' mean", justify="right")
     for p in res["preconditioners"]:
         lo = (res.get("loo") or {}).get("by_preconditioner", {}).get(p, {})
         ld = (res.get("lds") or {}).get("by_preconditioner", {}).get(p, {})
-        t.add_row(p, f(lo.get("pearson")), f(lo.get("spearman")), f(ld.get("lds")))
+        t.add_row(p, f(lo.get("pearson")), f(lo.get("spearman")), f(ld.get("lds")), f(ld.get("aggregate_spearman")))
     console.print(t)
     parts = []
     if res.get("loo"):
