@@ -85,6 +85,8 @@ def train_adapter(
     if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > hp["epochs"]):
         raise ValueError(f"checkpoint_epochs {save_at}: need a checkpoint_dir and epochs within 1..{hp['epochs']}")
 
+    base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
+
     def record(epochs: int) -> dict:
         return {
             "schema": "gradian.recipe/1",
@@ -99,7 +101,7 @@ def train_adapter(
             "removal": "zero-weighted in place: other examples keep their batches and steps",
             "data_order": "numpy default_rng([seed, epoch]).permutation(n), batches of batch_size",
             "base": cfg.model.base,
-            "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+            "base_fingerprint": base_fp,
             "train_seconds": round(time.time() - t0, 2),
         }
 
