@@ -651,8 +651,9 @@ def _weights_bytes(p: Path) -> int:
 
 
 @check("config.paths", "error",
-       meaning="A path in the config (data.train, data.eval, model.base, model.adapter, output, grads.cache_dir, "
-               "train.output) is missing, or an output location is blocked by a file.",
+       meaning="A path in the config (data.train, data.eval, model.base, model.adapter, "
+               "attribution.checkpoint_adapters, output, grads.cache_dir, train.output) is missing, or an output "
+               "location is blocked by a file.",
        fix="fix the path in the config; relative paths resolve against the config file's directory")
 def _config_paths(ctx: Context) -> Outcome:
     cfg = ctx.cfg
@@ -665,6 +666,11 @@ def _config_paths(ctx: Context) -> Outcome:
             cfg.local_or_hub(value, key)
         except ConfigError as e:
             problems.append(str(e))
+    for i, a in enumerate(cfg.attribution.checkpoint_adapters):
+        p = cfg.path(a)
+        if p is None or not (p / "adapter_config.json").exists():
+            problems.append(f"attribution.checkpoint_adapters[{i}]: {p} is not an adapter directory (no "
+                            "adapter_config.json)")
     for key, p in (("output", cfg.output_dir), ("grads.cache_dir", cfg.index_dir), ("train.output", cfg.adapter_out)):
         blocker = _blocking_file(p)
         if blocker is not None:
