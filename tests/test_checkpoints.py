@@ -142,14 +142,19 @@ def test_no_recipe_flags_and_uses_the_final_adapter(two_epoch_run, tmp_path):
 
 def test_explicit_checkpoint_adapter_must_exist(two_epoch_run, tmp_path):
     from gradian import api
-    from gradian.errors import ConfigError
+    from gradian.checkpoints import explicit_adapters
+    from gradian.errors import CheckFailed, ConfigError
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
     cfg.output = str(tmp_path / "out")
     cfg.attribution.checkpoint_adapters = ["no/such/checkpoint-100"]
-    with pytest.raises(ConfigError, match=r"attribution.checkpoint_adapters\[0\].*checkpoint-100"):
+    # the setup checks stop `attribute` before anything runs (config.paths names the key) ...
+    with pytest.raises(CheckFailed, match=r"config.paths: attribution.checkpoint_adapters\[0\].*checkpoint-100"):
         api.attribute(cfg)
+    # ... and the API that resolves them refuses on its own too
+    with pytest.raises(ConfigError, match=r"attribution.checkpoint_adapters\[0\].*checkpoint-100"):
+        explicit_adapters(cfg)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
 
 
