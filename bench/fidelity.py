@@ -1,6 +1,6 @@
 """Attribution fidelity on the scenario suite: every preconditioner and every baseline, scored by one harness.
 
-    .venv/bin/python bench/fidelity.py --quick        # 1 seed each, 4 null seeds: ~3 min, 180 CPU s from scratch
+    .venv/bin/python bench/fidelity.py --quick        # 1 seed each, 4 null seeds: ~6 min, 370 CPU s from scratch
     .venv/bin/python bench/fidelity.py                # 3 seeds each, 20 null seeds: ~10 min from scratch
     .venv/bin/python bench/fidelity.py --scenarios substitution,null --seeds 0,1 --methods identity,bm25
 
