@@ -20,11 +20,15 @@ def make_random_lora_model(seed: int = 0, vocab: int = 97, hidden: int = 32, lay
     base = LlamaForCausalLM(cfg).to(dtype)
     lcfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(base, lcfg)
+    return with_random_lora_b(get_peft_model(base, lcfg))
+
+
+def with_random_lora_b(model, std: float = 0.05):
+    """A fresh adapter's B is 0, which hides A's gradient: draw B at random (seeded by the caller) and go to eval."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.05)
+                p.normal_(0, std)
     model.eval()
     return model
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gradian.capture import GradientCapture
-from gradian.loss import naive_per_example_loss
 from gradian.modeling import lora_sites
 
-from test_capture import _batch, _rel
+from conftest import with_random_lora_b
+from test_capture import _batch, _naive_grads, _rel
 
 torch.set_num_threads(1)
 
@@ -48,14 +48,8 @@ def _model(family: str):
     cfg_name, cls_name, kw, targets = FAMILIES[family]
     torch.manual_seed(0)
     base = getattr(tf, cls_name)(getattr(tf, cfg_name)(**kw)).float()
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                            target_modules=targets or "all-linear"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    model.eval()
-    return model
+    return with_random_lora_b(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                               target_modules=targets or "all-linear")))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -65,17 +59,8 @@ def test_capture_equals_naive_reference(family):
     assert sites, family
     ids, attn, sup = _batch()
     vecs, losses = GradientCapture(model, sites, chunk=5).vectors(ids, attn, sup)
-    ref, ref_losses = [], []
-    for i in range(ids.shape[0]):
-        n = int(attn[i].sum())
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[i : i + 1, :n]).logits
-        loss = naive_per_example_loss(logits, ids[i : i + 1, :n], sup[i : i + 1, :n]).sum()
-        loss.backward()
-        ref_losses.append(float(loss.detach()))
-        ref.append(torch.cat([torch.cat([s.A.weight.grad.flatten(), s.B.weight.grad.flatten()]) for s in sites]))
-    ref = torch.stack(ref)
-    torch.testing.assert_close(losses.double(), torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    ref, ref_losses = _naive_grads(model, sites, ids, attn, sup, with_losses=True)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-5, atol=1e-5)
     off = 0
     for s in sites:
         assert _rel(vecs[:, off : off + s.numel], ref[:, off : off + s.numel]) < 1e-5, (family, s.name)

@@ -25,16 +25,17 @@ def _batch(seed=1, B=4, vocab=97):
     return ids, attn, sup
 
 
-def _naive_grads(model, sites, ids, attn, sup):
-    out = []
+def _naive_grads(model, sites, ids, attn, sup, *, with_losses: bool = False):
+    out, losses = [], []
     for i in range(ids.shape[0]):
         n = int(attn[i].sum())
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids[i : i + 1, :n]).logits
         loss = naive_per_example_loss(logits, ids[i : i + 1, :n], sup[i : i + 1, :n]).sum()
         loss.backward()
+        losses.append(float(loss.detach()))
         out.append(torch.cat([torch.cat([s.A.weight.grad.flatten(), s.B.weight.grad.flatten()]) for s in sites]))
-    return torch.stack(out)
+    return (torch.stack(out), torch.tensor(losses, dtype=torch.float64)) if with_losses else torch.stack(out)
 
 
 def _rel(a, b):

@@ -180,9 +180,6 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None, console=None) -> dic
     t_all = time.time()
     s = open_session(cfg)
     run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
-    from .checkpoints import explicit_adapters
-
-    explicit_adapters(cfg)  # a missing checkpoint folder stops the run here, not after the evaluation
     out_dir = cfg.output_dir
     cap: Optional[CapabilityResult] = None
     report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}

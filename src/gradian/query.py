@@ -90,18 +90,19 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     return out
 
 
-def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *,
-                  chat: bool, max_len: int, batch_size: int) -> torch.Tensor:
-    """[Q, dim] query gradients (contrastive differences where formulated so)."""
+def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *, chat: bool, max_len: int):
+    """The tokenized rows each query is made of: (rows, sign, owner) for the loss-based queries (loss(expected),
+    minus loss(generated) for contrastive ones, each row's query in `owner`) and [(query, row)] for margin queries.
+    `query_vectors` differentiates these rows and `query_losses` evaluates them, so the two agree by construction."""
     by_pos = {it.position: it for it in items}
-    rows, sign, owner = [], [], []
-    margin_rows: list[tuple[int, object]] = []
+    rows, sign, owner, margin_rows = [], [], [], []
     for qi, q in enumerate(queries):
         it = by_pos[q.item]
+        t = tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len)
         if q.formulation == "margin":
-            margin_rows.append((qi, tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len)))
+            margin_rows.append((qi, t))
             continue
-        rows.append(tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len))
+        rows.append(t)
         sign.append(1.0)
         owner.append(qi)
         if q.formulation == "contrastive":
@@ -109,6 +110,13 @@ def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem]
                                          max_len))
             sign.append(-1.0)
             owner.append(qi)
+    return rows, sign, owner, margin_rows
+
+
+def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *,
+                  chat: bool, max_len: int, batch_size: int) -> torch.Tensor:
+    """[Q, dim] query gradients (contrastive differences where formulated so)."""
+    rows, sign, owner, margin_rows = query_rows(tokenizer, items, queries, chat=chat, max_len=max_len)
     out = torch.zeros(len(queries), capture.dim)
     device = next(capture.model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -193,25 +201,10 @@ def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[
     the decisive token (margin; the token is chosen under this model)."""
     from .loss import per_example_loss
 
-    by_pos = {it.position: it for it in items}
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = np.zeros(len(queries))
-    rows, sign, owner, mrows = [], [], [], []
-    for qi, q in enumerate(queries):
-        it = by_pos[q.item]
-        t = tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len)
-        if q.formulation == "margin":
-            mrows.append((qi, t))
-            continue
-        rows.append(t)
-        sign.append(1.0)
-        owner.append(qi)
-        if q.formulation == "contrastive":
-            rows.append(tokenize_example(tokenizer, eval_answer_example(it, contrast_answer(q.expected, q.generated), chat),
-                                         max_len))
-            sign.append(-1.0)
-            owner.append(qi)
+    rows, sign, owner, mrows = query_rows(tokenizer, items, queries, chat=chat, max_len=max_len)
     for s in range(0, len(rows), batch_size):
         ids, attn, sup = collate(rows[s : s + batch_size], pad)
         l = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device)).double().cpu().numpy()
