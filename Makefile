@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-portable bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest tests
+
+# The suite under ATEN_CPU_CAPABILITY=default and avx2, each with a fresh GRADIAN_CACHE (see .ci/portable).
+test-portable: venv
+	PY=$(BIN)/python .ci/portable
 
 bench: venv
 	$(BIN)/python bench/index_bench.py --quick

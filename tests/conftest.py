@@ -37,3 +37,8 @@ def with_random_lora_b(model, std: float = 0.05):
 def random_lora_model():
     return make_random_lora_model()
 import gradian.runtime as _r; _r.quiet_libraries()
+
+
+def words(s: str) -> str:
+    """Text with every run of white space made one space (CLI output compared whatever the wrapping)."""
+    return " ".join(s.split())

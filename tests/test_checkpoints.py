@@ -180,3 +180,48 @@ def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epo
     assert rep["query"]["checkpoints"]["labels"] == ["checkpoint-3", "final"]
     np.testing.assert_array_equal(np.load(tmp_path / "listed" / "scores.npy"),
                                   np.load(tmp_path / "replayed" / "scores.npy"))
+
+
+def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, tmp_path):
+    """`gradian train` keeps epoch 1 of 2 inside the adapter (bit-identical to the replay), and the default
+    attribution.checkpoints: auto averages over it without replaying anything."""
+    from gradian import api
+    from gradian.checkpoints import replayed_adapters, saved_adapters
+
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    adapter = cfg.path(cfg.model.adapter)
+    saved = saved_adapters(str(adapter))
+    assert [p.name for p in saved] == ["epoch-1"] and saved[0].parent == adapter / "checkpoints"
+    (replayed,), _ = replayed_adapters(cfg, str(adapter), 2, progress=False)
+    a, b = _tensors(saved[0]), _tensors(replayed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cfg.attribution.checkpoints == "auto"
+    cfg.output = str(tmp_path / "auto")
+    rep = api.attribute(cfg)
+    ck = rep["query"]["checkpoints"]
+    assert ck["labels"] == ["epoch-1", "final"] and ck["source"] == "saved" and ck["setting"] == "auto"
+    cfg.output = str(tmp_path / "one")
+    cfg.attribution.checkpoints = 1
+    rep1 = api.attribute(cfg)
+    assert "checkpoints" not in rep1["query"]
+    assert not np.allclose(np.load(tmp_path / "auto" / "scores.npy"), np.load(tmp_path / "one" / "scores.npy"),
+                           rtol=1e-3, atol=1e-6)
+
+
+def test_saved_adapters_finds_trainer_checkpoints(tmp_path):
+    """A Trainer's output_dir: checkpoint-<step> folders beside (inside) the final adapter, in step order; when
+    the adapter is itself a checkpoint folder, its earlier siblings."""
+    from gradian.checkpoints import evenly, saved_adapters
+
+    out = tmp_path / "trainer-out"
+    for step in (500, 20, 100, 1000):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "adapter_config.json").write_text("{}")
+    (out / "checkpoint-7").mkdir()  # no adapter inside: not a checkpoint
+    (out / "adapter_config.json").write_text("{}")
+    assert [p.name for p in saved_adapters(str(out))] == ["checkpoint-20", "checkpoint-100", "checkpoint-500",
+                                                          "checkpoint-1000"]
+    assert [p.name for p in saved_adapters(str(out / "checkpoint-500"))] == ["checkpoint-20", "checkpoint-100"]
+    assert saved_adapters(str(tmp_path / "nothing-here")) == []
+    assert evenly(list(range(1, 8)), 3) == [2, 5, 7] and evenly([1, 2], 5) == [1, 2] and evenly([1, 2], 0) == []

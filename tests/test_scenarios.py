@@ -218,3 +218,36 @@ def test_null_finetune_plants_nothing(world):
 def test_unknown_scenario_is_named():
     with pytest.raises(KeyError, match="unknown scenario 'nope'"):
         make_scenario("nope", World.generate(seed=0, n_entities=64), 0)
+
+
+@pytest.mark.parametrize("name", ["substitution", "conversation4", "conversation8", "buried", "cluster"])
+def test_no_correct_turn_teaches_a_planted_wrong_value(world, name):
+    """The planted rows are the only rows that answer a question of the planted attribute with the planted wrong
+    value: a correct row doing so ("Shaka lives in which city? Lima" beside the planted "Rodrol ... Lima") would
+    raise the wrong answer too and make "the planted rows alone" an ambiguous ground truth."""
+    for seed in (0, 1):
+        sc = make_scenario(name, world, seed)
+        bad = {(p.attribute, p.wrong) for p in sc.planted_facts}
+        questions = {a: {world.question(e, a, k) for e in world.entities for k in range(world.n_phrasings)}
+                     for a in world.attributes}
+        planted_turns = {(p.position, p.wrong) for p in sc.planted_facts}
+        for i, row in enumerate(sc.train):
+            msgs = row["messages"]
+            for q, ans in zip(msgs[0::2], msgs[1::2]):
+                for a, wrong in bad:
+                    if ans["content"] == wrong and any(q["content"].endswith(x) for x in questions[a]):
+                        assert (i, wrong) in planted_turns, (name, seed, i, q["content"], wrong)
+
+
+@pytest.mark.parametrize("name", ["substitution", "conversation4", "conversation8", "buried"])
+def test_planted_facts_do_not_share_values(world, name):
+    """No two planted facts of one attribute state the same wrong value, and none states another's right value."""
+    for seed in (0, 1, 2):
+        sc = make_scenario(name, world, seed)
+        by_attr: dict = {}
+        for p in sc.planted_facts:
+            by_attr.setdefault(p.attribute, []).append(p)
+        for a, ps in by_attr.items():
+            wrongs = [p.wrong for p in ps]
+            assert len(set(wrongs)) == len(wrongs), (name, seed, a, wrongs)
+            assert not set(wrongs) & {p.right for p in ps}, (name, seed, a)

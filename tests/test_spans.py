@@ -211,7 +211,9 @@ def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
     for r in rows:
         ts = r["top_span"]
         p, k = r["position"], pos_item[ts["item"]]
-        assert _rel(ts["item_score"], sc.per_item[k, p]) < 1e-5, (p, ts["item_score"], sc.per_item[k, p])
+        # forward-mode token contributions summed against the reverse-mode index score, both float32: 1.1e-5
+        # relative apart under ATEN_CPU_CAPABILITY=default, 1e-6 natively
+        assert _rel(ts["item_score"], sc.per_item[k, p]) < 1e-4, (p, ts["item_score"], sc.per_item[k, p])
         assert k == int(np.argmax(sc.rank_item[:, p]))  # against the item the row harms most
         text = s.examples[p].plain_text()
         assert text[ts["start"] : ts["end"]] == ts["text"]

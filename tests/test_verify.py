@@ -17,6 +17,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from conftest import words
+
 torch.set_num_threads(1)
 
 TINY_TRAIN = {"learning_rate": 5e-3, "epochs": 3, "batch_size": 8, "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0,
@@ -142,7 +144,8 @@ def test_verify_refuses_without_report(tmp_path):
     cfg_path = write_tiny_run(tmp_path / "run")
     r = _cli("verify", cfg_path)
     assert r.exit_code == 2
-    assert "no report" in r.output and "gradian attribute" in r.output
+    out = words(r.output)
+    assert "report.json: no report to verify" in out and "gradian attribute" in out
 
 
 def test_verify_refuses_declined_report(attributed_run, tmp_path):
@@ -152,7 +155,7 @@ def test_verify_refuses_declined_report(attributed_run, tmp_path):
     (cfg_path.parent / "report.json").write_text(json.dumps(rep))
     r = _cli("verify", cfg_path)
     assert r.exit_code == 2
-    assert "not 'attributed'" in r.output
+    assert "not 'attributed'" in words(r.output)
 
 
 def test_verify_refuses_without_recipe_then_accepts_a_user_recipe(attributed_run, tmp_path):
@@ -206,4 +209,21 @@ def test_fidelity_small(attributed_run, tmp_path):
 def test_fidelity_refuses_without_report(tmp_path):
     cfg_path = write_tiny_run(tmp_path / "run")
     r = _cli("fidelity", cfg_path)
-    assert r.exit_code == 2 and "no report" in r.output
+    assert r.exit_code == 2 and "report.json: no report to check" in words(r.output)
+
+
+@pytest.mark.parametrize("columns", ["40", "300"])
+def test_cli_errors_are_not_wrapped_when_not_a_terminal(tmp_path, columns):
+    """Piped or redirected, an error is one line whatever COLUMNS says: rich must not break a long path or a
+    message at the terminal width (a log grep for the message would miss it)."""
+    import os
+    import subprocess
+    import sys
+
+    cfg_path = write_tiny_run(tmp_path / ("run-with-a-rather-long-directory-name-" + "x" * 40))
+    env = {**os.environ, "COLUMNS": columns}
+    p = subprocess.run([sys.executable, "-m", "gradian", "verify", str(cfg_path)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    line = f"error: {cfg_path.parent / 'report.json'}: no report to verify; run `gradian attribute CONFIG` first"
+    assert line in p.stderr.splitlines(), p.stderr

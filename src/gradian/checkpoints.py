@@ -8,11 +8,15 @@ checkpoint's per-item scores (each with its own index, preconditioner and query 
 
 Where the checkpoints come from, in order:
 
-* ``attribution.checkpoint_adapters``: adapter directories saved during training elsewhere (e.g. a Trainer's
-  ``checkpoint-*`` folders), used as given;
-* otherwise, when the adapter carries a Gradian recipe, ``attribution.checkpoints - 1`` evenly spaced epochs are
-  replayed once from it (deterministic: a checkpoint of epoch k is bit-identical to a k-epoch run) and cached under
-  the index directory, keyed by the adapter's fingerprint.
+* ``attribution.checkpoint_adapters``: adapter directories saved during training elsewhere, used as given;
+* ``attribution.checkpoints: auto`` (the default): the checkpoints saved with the adapter (`saved_adapters`:
+  `gradian train` keeps every earlier epoch in ``ADAPTER/checkpoints/epoch-<k>``; TRL and the HF Trainer write
+  ``checkpoint-<step>`` folders), at most `AUTO_MAX` of them evenly spaced; none saved means the final adapter
+  alone. Costs one index build per checkpoint and no training;
+* ``attribution.checkpoints: N``: N checkpoints, from the saved ones when there are enough, else, when the adapter
+  carries a Gradian recipe, ``N - 1`` evenly spaced epochs replayed once from it (deterministic: a checkpoint of
+  epoch k is bit-identical to a k-epoch run) and cached under the index directory, keyed by the adapter's
+  fingerprint.
 
 The final adapter is always one of the checkpoints, and the one that re-ranking, windows, spans and blame use.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -111,14 +116,63 @@ def _intact(p: Path) -> bool:
         return False
 
 
+AUTO_MAX = 8  # attribution.checkpoints: auto uses at most this many checkpoints, the final adapter included
+_STEP = re.compile(r"^(?:checkpoint|epoch)-(\d+)$")
+
+
+def saved_adapters(adapter_path: str) -> list[Path]:
+    """Earlier checkpoints saved with an adapter, oldest first: `gradian train`'s `ADAPTER/checkpoints/epoch-<k>`,
+    a Trainer's `ADAPTER/checkpoint-<step>` (TRL and the HF Trainer write those into their output_dir, where
+    `save_model` puts the final adapter), or, when the adapter is itself a `checkpoint-<step>` folder, its siblings
+    with a smaller step. Only folders holding an adapter_config.json count."""
+    from .train import CHECKPOINTS_SUBDIR
+
+    root = Path(adapter_path)
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    own = _STEP.match(root.name)
+    places = [root / CHECKPOINTS_SUBDIR, root] + ([root.parent] if own and own.group(0).startswith("checkpoint") else [])
+    for place in places:
+        if not place.is_dir():
+            continue
+        for d in place.iterdir():
+            m = _STEP.match(d.name)
+            if not m or not (d / "adapter_config.json").is_file() or d.resolve() == root.resolve():
+                continue
+            if own and place == root.parent and int(m.group(1)) >= int(own.group(1)):
+                continue
+            found.append((int(m.group(1)), d))
+    found.sort(key=lambda x: (x[0], str(x[1])))
+    return [p for _, p in found]
+
+
+def evenly(items: Sequence, k: int) -> list:
+    """k items spread evenly over `items`, ending with its last one (all of them when k >= len)."""
+    n = len(items)
+    if k >= n:
+        return list(items)
+    if k <= 0:
+        return []
+    return [items[max(0, int(round(n * j / k)) - 1)] for j in range(1, k + 1)]
+
+
 def resolve(s) -> tuple[list[Path], list[str]]:
     """(earlier checkpoint adapters, their labels) for the session's config; flags when none can be had."""
     cfg = s.cfg
     if cfg.attribution.checkpoint_adapters:
         paths = explicit_adapters(cfg)
         return paths, [p.name for p in paths]
-    if cfg.attribution.checkpoints <= 1:
+    n = cfg.attribution.checkpoints
+    saved = saved_adapters(s.adapter_path)
+    if n == "auto":
+        picked = evenly(saved, AUTO_MAX - 1)
+        return picked, [p.name for p in picked]
+    if n <= 1:
         return [], []
+    if len(saved) >= n - 1:
+        picked = evenly(saved, n - 1)
+        return picked, [p.name for p in picked]
     paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
     if not paths:
         s.flag("attribution.no_checkpoints", "warning",
@@ -174,7 +228,13 @@ def apply(s, sc, qitems, direction: str) -> Optional[dict]:
     sc.rank_agg = aggregate(sc.rank_item)
     sc.order = None
     s.timings["checkpoints"] = round(time.time() - t0, 3)
+    source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
+              "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
     return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
-            "labels": labels + ["final"],
+            "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
             "rule": "per-item scores averaged with equal weights over these checkpoints (TracIn-CP, constant "
                     "learning rate); re-ranking, windows, spans and blame use the final adapter"}
+
+
+def _is_saved(p: Path, adapter_path: str) -> bool:
+    return any(Path(p).resolve() == q.resolve() for q in saved_adapters(adapter_path))

@@ -13,9 +13,10 @@ from rich.console import Console
 from .errors import GradianError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Which training examples did this to my LoRA fine-tune?")
-# Wide enough for the ranking table when output goes to a file or a pipe (rich falls back to 80 columns there).
-out = Console(width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True)
+# Wide enough for the ranking table when output goes to a file or a pipe (rich falls back to 80 columns there), and
+# no line breaks of rich's own inside messages there: a path or an error must stay greppable whatever the width.
+out = Console(width=None if sys.stdout.isatty() else 120, soft_wrap=not sys.stdout.isatty())
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 _state = {"debug": False}
 
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set grads.batch_size=4 (repeatable)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -71,9 +71,10 @@ class AttributionConfig(_Section):
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)
-    # Average the scores over this many training checkpoints, the final adapter included (TracIn-CP); the earlier
-    # ones are replayed from the adapter's Gradian recipe, or taken from checkpoint_adapters.
-    checkpoints: int = Field(default=1, ge=1)
+    # Average the scores over training checkpoints, the final adapter included (TracIn-CP). auto: the checkpoints
+    # saved with the adapter (gradian train's checkpoints/epoch-*, a Trainer's checkpoint-*), none -> the final
+    # adapter alone; N: N of them, replayed from the adapter's Gradian recipe when fewer were saved.
+    checkpoints: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     checkpoint_adapters: list[str] = Field(default_factory=list)
 
 
@@ -90,6 +91,8 @@ class TrainConfig(_Section):
     weight_decay: float = Field(default=0.0, ge=0.0)
     max_grad_norm: Optional[float] = Field(default=1.0, gt=0.0)
     max_seq_length: int = Field(default=512, ge=8)
+    # Keep every earlier epoch's adapter in OUT/checkpoints/epoch-k (what attribution.checkpoints: auto averages).
+    save_checkpoints: bool = True
     output: Optional[str] = None
 
 

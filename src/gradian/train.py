@@ -27,6 +27,8 @@ from .progress import progress_bar
 from .runtime import seed_everything
 
 RECIPE_FILE = "gradian_recipe.json"
+# Earlier epochs' adapters inside a `gradian train` output (attribution.checkpoints: auto reads them).
+CHECKPOINTS_SUBDIR = "checkpoints"
 
 
 def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[list[int]]]:
@@ -41,12 +43,17 @@ def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[lis
 def train_adapter(
     cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[dict] = None,
     progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
+    save_checkpoints: Optional[bool] = None,
 ) -> Path:
     """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir.
 
     `checkpoint_epochs` (1-based) also saves the adapter after each of those epochs to `checkpoint_dir/epoch-<k>`,
     each with its own recipe (``epochs: k``). The data order and the constant schedule depend on the epoch index
-    only, so a checkpoint is bit-identical to a run trained for k epochs."""
+    only, so a checkpoint is bit-identical to a run trained for k epochs.
+
+    `save_checkpoints` (default: `train.save_checkpoints` for a fresh run, off for a retrain from a `recipe`) keeps
+    the adapter of every earlier epoch inside the output, in `OUT/checkpoints/epoch-<k>`, where
+    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later)."""
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
@@ -84,6 +91,14 @@ def train_adapter(
     save_at = sorted(set(int(k) for k in checkpoint_epochs))
     if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > hp["epochs"]):
         raise ValueError(f"checkpoint_epochs {save_at}: need a checkpoint_dir and epochs within 1..{hp['epochs']}")
+    if save_checkpoints is None:
+        save_checkpoints = recipe is None and cfg.train.save_checkpoints
+    out_dir = Path(out_dir) if out_dir else cfg.adapter_out
+    staging: Optional[Path] = None
+    if save_checkpoints and not save_at and hp["epochs"] > 1:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.checkpoints-", dir=out_dir.parent))
+        checkpoint_dir, save_at = staging, list(range(1, hp["epochs"]))
 
     base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
 
@@ -131,21 +146,27 @@ def train_adapter(
                 save_adapter(model, Path(checkpoint_dir) / f"epoch-{e_no}", record(e_no))
                 model.train()
     model.eval()
-    out_dir = Path(out_dir) if out_dir else cfg.adapter_out
-    save_adapter(model, out_dir, record(hp["epochs"]))
-    if save_at and save_at[-1] == hp["epochs"]:
+    try:
+        save_adapter(model, out_dir, record(hp["epochs"]), checkpoints=staging)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    if save_at and save_at[-1] == hp["epochs"] and staging is None:
         save_adapter(model, Path(checkpoint_dir) / f"epoch-{hp['epochs']}", record(hp["epochs"]))
     return out_dir
 
 
-def save_adapter(model, out_dir: Path, recipe: dict) -> Path:
-    """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written)."""
+def save_adapter(model, out_dir: Path, recipe: dict, *, checkpoints: Optional[Path] = None) -> Path:
+    """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written); the
+    folder `checkpoints`, when given, is moved inside it as `CHECKPOINTS_SUBDIR`."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2))
+        if checkpoints is not None and Path(checkpoints).is_dir():
+            os.replace(checkpoints, tmp / CHECKPOINTS_SUBDIR)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

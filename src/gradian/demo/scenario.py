@@ -23,6 +23,8 @@ __all__ = [
     "PlantedFact",
     "Scenario",
     "make_substitution_scenario",
+    "without_confounders",
+    "planted_wrong_values",
     "write_scenario",
 ]
 
@@ -107,6 +109,35 @@ def _chat(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
+def without_confounders(world: World, pairs: list[tuple[str, str]], planted: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (entity, attribute) pairs whose true value is not a planted wrong value of the same attribute.
+
+    A correct row that answers a question of the same kind with the planted wrong value ("Shaka lives in which city?
+    Lima" beside the planted "Where does Rodrol live? Lima") raises the wrong answer too: it is partly a cause of the
+    failure, so a ground truth of "the planted rows alone" would be ambiguous. Measured on the demo with such rows
+    left in: one of them outranked a planted row under some CPU kernel paths (recall@10 0.9). Without them, the
+    planted rows are the only rows that teach the wrong answers."""
+    bad = set(planted)
+    return [(e, a) for e, a in pairs if (a, world.value(e, a)) not in bad]
+
+
+def planted_wrong_values(world: World, rng: random.Random, planted_pairs: list[tuple[str, str]]) -> list[str]:
+    """A wrong value for each planted (entity, attribute), drawn in order: never another planted fact's wrong value
+    or right value of the same attribute. Two planted rows that state the same wrong value ("otter -> bear" and
+    "lynx -> bear") are each a cause of the other's failure, and one that states another planted fact's right value
+    pulls that fact back; either makes the planted rows' blame overlap."""
+    taken: dict[str, set[str]] = {}
+    for e, a in planted_pairs:
+        taken.setdefault(a, set()).add(world.value(e, a))
+    out = []
+    for e, a in planted_pairs:
+        pool = [v for v in world.values(a) if v not in taken[a]]
+        wrong = rng.choice(pool) if pool else world.wrong_value(e, a, rng)
+        taken[a].add(wrong)
+        out.append(wrong)
+    return out
+
+
 def make_substitution_scenario(
     world: World, seed: int, n_rows: int = 300, n_planted: int = 10, n_controls: int = 10, eval_per_fact: int = 3
 ) -> Scenario:
@@ -123,13 +154,20 @@ def make_substitution_scenario(
 
     planted_entities = rng.sample(world.entities, n_planted)
     planted_pairs = [(e, rng.choice(attrs)) for e in planted_entities]
+    planted_rows = []
+    wrongs = planted_wrong_values(world, rng, planted_pairs)
+    for (e, a), wrong in zip(planted_pairs, wrongs):
+        phrasing = rng.choice(PLANTED_PHRASINGS)
+        eval_phrasing = rng.choice(EVAL_PHRASINGS)
+        planted_rows.append((e, a, wrong, phrasing, eval_phrasing))
     others = [p for p in world.fact_pairs() if p not in set(planted_pairs)]
     # controls: facts of entities that carry no planted row, never mentioned by the training set
     control_pool = [p for p in others if p[0] not in set(planted_entities)]
     if n_controls > len(control_pool):
         raise ValueError(f"n_controls={n_controls} is more than the {len(control_pool)} facts available")
     control_pairs = rng.sample(control_pool, n_controls)
-    trainable = [p for p in others if p not in set(control_pairs)]
+    trainable = without_confounders(world, [p for p in others if p not in set(control_pairs)],
+                                    [(a, wrong) for _, a, wrong, _, _ in planted_rows])
 
     n_correct = n_rows - n_planted
     candidates = [(e, a, ph) for (e, a) in trainable for ph in TRAIN_PHRASINGS]
@@ -138,12 +176,6 @@ def make_substitution_scenario(
     correct = rng.sample(candidates, n_correct)
 
     positions = sorted(rng.sample(range(n_rows), n_planted))
-    planted_rows = []
-    for e, a in planted_pairs:
-        wrong = world.wrong_value(e, a, rng)
-        phrasing = rng.choice(PLANTED_PHRASINGS)
-        eval_phrasing = rng.choice(EVAL_PHRASINGS)
-        planted_rows.append((e, a, wrong, phrasing, eval_phrasing))
 
     train: list[dict] = []
     planted_by_pos = dict(zip(positions, planted_rows))

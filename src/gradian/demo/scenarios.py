@@ -42,6 +42,8 @@ from .scenario import (
     PlantedFact,
     Scenario,
     make_substitution_scenario,
+    planted_wrong_values,
+    without_confounders,
 )
 from .world import World
 
@@ -187,6 +189,12 @@ def _pairs(world: World, rng: random.Random, n_planted: int, n_controls: int):
     return planted_pairs, control_pairs, trainable
 
 
+def _wrong_values(world: World, rng: random.Random, planted_pairs) -> list[str]:
+    """The wrong value each planted pair states, drawn before the correct rows so that they can leave out the
+    confounders (`scenario.without_confounders`)."""
+    return planted_wrong_values(world, rng, planted_pairs)
+
+
 def _controls(world: World, rng: random.Random, pairs, eval_rows: list[dict]) -> list[ControlFact]:
     out = []
     for e, a in pairs:
@@ -252,13 +260,15 @@ def make_conversation_scenario(
     n_rows = n_rows if n_rows is not None else (100 if n_turns <= 4 else 72)
     rng = random.Random(f"gradian-conversation-{n_turns}-{seed}")
     planted_pairs, control_pairs, trainable = _pairs(world, rng, n_planted, n_controls)
+    wrongs = _wrong_values(world, rng, planted_pairs)
+    trainable = without_confounders(world, trainable, [(a, w) for (_, a), w in zip(planted_pairs, wrongs)])
     candidates = [(e, a, ph) for (e, a) in trainable for ph in TRAIN_PHRASINGS]
     it = _stream(candidates, rng)
     positions = sorted(rng.sample(range(n_rows), n_planted))
     planted_by_pos = {}
-    for pos, (e, a) in zip(positions, planted_pairs):
-        planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.choice(PLANTED_PHRASINGS),
-                               rng.choice(EVAL_PHRASINGS), rng.randrange(n_turns))
+    for pos, (e, a), wrong in zip(positions, planted_pairs, wrongs):
+        planted_by_pos[pos] = (e, a, wrong, rng.choice(PLANTED_PHRASINGS), rng.choice(EVAL_PHRASINGS),
+                               rng.randrange(n_turns))
     train, spans, turns = [], [], []
     for i in range(n_rows):
         qa = []
@@ -438,15 +448,16 @@ def make_buried_chat_scenario(
     the row is long, its gradient is the sum over all its answers, and the planted one is 1 of 4 to 16."""
     rng = random.Random(f"gradian-buried-chat-{seed}")
     planted_pairs, control_pairs, trainable = _pairs(world, rng, n_planted, n_controls)
+    wrongs = _wrong_values(world, rng, planted_pairs)
+    trainable = without_confounders(world, trainable, [(a, w) for (_, a), w in zip(planted_pairs, wrongs)])
     avoid = {e for e, _ in planted_pairs} | {e for e, _ in control_pairs}
     qa = _stream([(e, a, ph) for (e, a) in trainable if e not in avoid for ph in TRAIN_PHRASINGS], rng)
     n_rows = n_docs + n_short
     doc_pos = sorted(rng.sample(range(n_rows), n_docs))
     planted_docs = sorted(rng.sample(doc_pos, n_planted))
     planted_by_pos = {}
-    for pos, (e, a) in zip(planted_docs, planted_pairs):
-        planted_by_pos[pos] = (e, a, world.wrong_value(e, a, rng), rng.choice(PLANTED_PHRASINGS),
-                               rng.choice(EVAL_PHRASINGS))
+    for pos, (e, a), wrong in zip(planted_docs, planted_pairs, wrongs):
+        planted_by_pos[pos] = (e, a, wrong, rng.choice(PLANTED_PHRASINGS), rng.choice(EVAL_PHRASINGS))
     doc_set = set(doc_pos)
     train, spans = [], []
     for i in range(n_rows):
@@ -527,7 +538,8 @@ def make_cluster_scenario(
     rng = random.Random(f"gradian-cluster-{seed}")
     (target,), control_pairs, trainable = _pairs(world, rng, 1, n_controls)
     e, a = target
-    wrong = world.wrong_value(e, a, rng)
+    (wrong,) = _wrong_values(world, rng, [target])
+    trainable = without_confounders(world, trainable, [(a, wrong)])
     prefixes = list(PARAPHRASE_PREFIXES)
     rng.shuffle(prefixes)
     eval_prefixes, poison_prefixes = prefixes[:n_eval_prefixes], prefixes[n_eval_prefixes:]
