@@ -27,7 +27,7 @@ def configure_threads(threads: Optional[int] = None) -> int:
         except (ValueError, AssertionError):
             from .errors import ConfigError
 
-            raise ConfigError(f"GRADIAN_THREADS={env!r}: expected a positive integer") from None
+            raise ConfigError(f"GRADIAN_THREADS={env!r}: expected a positive integer", check="runtime.threads") from None
     n = threads or 1
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
@@ -55,11 +55,13 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         from .errors import ModelError
 
-        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'")
+        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
     if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         from .errors import ModelError
 
-        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'")
+        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
     return torch.device(name)
 
 

@@ -23,17 +23,18 @@ The final adapter is always one of the checkpoints, and the one that re-ranking,
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..io import atomic_write_text, dir_digest, dir_fingerprint
 
 CHECKPOINTS_DIR = "checkpoints"
 SEAL_FILE = "gradian_checkpoint.sha256"
@@ -59,33 +60,31 @@ def explicit_adapters(cfg) -> list[Path]:
     return out
 
 
-def replay_dir(cfg, adapter_path: str, recipe: dict) -> Path:
-    from .modeling import dir_fingerprint
-
-    h = hashlib.sha256(json.dumps({"adapter": dir_fingerprint(adapter_path), "recipe": recipe.get("hyperparameters"),
-                                   "seed": recipe.get("seed"), "data": recipe.get("dataset_fingerprint")},
+def replay_dir(cfg, adapter_path: str, recipe) -> Path:
+    h = hashlib.sha256(json.dumps({"adapter": dir_fingerprint(adapter_path),
+                                   "recipe": recipe.hyperparameters.model_dump(exclude_unset=True),
+                                   "seed": recipe.seed, "data": recipe.dataset_fingerprint},
                                   sort_keys=True).encode()).hexdigest()[:16]
     return cfg.index_dir / CHECKPOINTS_DIR / h
 
 
 def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = True) -> tuple[list[Path], list[int]]:
     """The earlier checkpoints of a Gradian-trained adapter, replayed from its recipe once and cached."""
-    from .train import RECIPE_FILE, read_recipe, train_adapter
+    from ..training.loop import train_adapter
+    from ..training.recipe import read_recipe
 
     recipe = read_recipe(adapter_path)
     if recipe is None:
         return [], []
-    total = int(recipe["hyperparameters"]["epochs"])
+    total = int(recipe.hyperparameters.epochs)
     epochs = [k for k in checkpoint_epochs(total, count) if k < total]
     if not epochs:
         return [], []
     root = replay_dir(cfg, adapter_path, recipe)
     paths = [root / f"epoch-{k}" for k in epochs]
     if not all(_intact(p) for p in paths):
-        rec = copy.deepcopy(recipe)
-        rec["hyperparameters"]["epochs"] = max(epochs)
-        rec.pop("excluded_positions", None)
-        excl = recipe.get("excluded_positions") or []
+        rec = recipe.with_epochs(max(epochs))
+        excl = recipe.excluded_positions or []
         train_adapter(cfg, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", recipe=rec, progress=progress,
                       checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root)
         for p in paths:
@@ -94,15 +93,10 @@ def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = Tr
 
 
 def _digest(p: Path) -> str:
-    h = hashlib.sha256()
-    for name in sorted(x.name for x in p.iterdir() if x.is_file() and x.name != SEAL_FILE):
-        h.update(name.encode() + b"\0" + (p / name).read_bytes())
-    return h.hexdigest()
+    return dir_digest(p, exclude=(SEAL_FILE,))
 
 
 def _seal(p: Path) -> None:
-    from .report import atomic_write_text
-
     atomic_write_text(p / SEAL_FILE, _digest(p))
 
 
@@ -125,7 +119,7 @@ def saved_adapters(adapter_path: str) -> list[Path]:
     a Trainer's `ADAPTER/checkpoint-<step>` (TRL and the HF Trainer write those into their output_dir, where
     `save_model` puts the final adapter), or, when the adapter is itself a `checkpoint-<step>` folder, its siblings
     with a smaller step. Only folders holding an adapter_config.json count."""
-    from .train import CHECKPOINTS_SUBDIR
+    from ..training.loop import CHECKPOINTS_SUBDIR
 
     root = Path(adapter_path)
     if not root.is_dir():
@@ -183,26 +177,23 @@ def resolve(s) -> tuple[list[Path], list[str]]:
     return paths, [f"epoch-{k}" for k in epochs]
 
 
-def checkpoint_scores(s, paths: Sequence[Path], qitems, direction: str) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(per_item, rank_item) [Q, N] of each earlier checkpoint: its own index, preconditioner and query gradients;
-    no exact re-ranking or self-check (those are for the final adapter's scores)."""
-    from . import api
+def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(per_item, rank_item) [Q, N] of each earlier checkpoint: its own index, preconditioner and query gradients,
+    loaded onto the session's base one at a time; no exact re-ranking or self-check (those are for the final
+    adapter's scores)."""
+    from ..store.build import open_index
+    from .engine import ModelGradients, block_dims_of, score_items
 
     out = []
-    for p in paths:
-        c = s.cfg.model_copy(deep=True)
-        c.root = s.cfg.root
-        c.model.adapter = str(Path(p).resolve())
-        c.attribution.checkpoints, c.attribution.checkpoint_adapters = 1, []
-        c.grads.rerank = c.grads.fidelity_sample = 0
-        sub = api.open_session(c)
-        capture, idx, row_keys, _ = api.index(sub)
-        try:
-            sc = api.score_items(sub, capture, idx, row_keys, qitems, direction, details=True)
-        finally:
-            idx.close()
+    for j, p in enumerate(paths):
+        with s.checkpoint(str(Path(p).resolve()), f"checkpoint-{j}") as view:
+            ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
+            try:
+                sc = score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems,
+                                 replace(settings, rerank=0, fidelity_sample=0), block_dims=block_dims_of(ix.index))
+            finally:
+                ix.close()
         out.append((np.asarray(sc.per_item, dtype=np.float64), np.asarray(sc.rank_item, dtype=np.float64)))
-        del sub
     return out
 
 
@@ -212,8 +203,8 @@ def average(final: np.ndarray, earlier: Sequence[np.ndarray]) -> np.ndarray:
         1 + len(earlier))
 
 
-def apply(s, sc, qitems, direction: str) -> Optional[dict]:
-    """Average `sc` (the final adapter's `Scored`) with the earlier checkpoints' scores, in place; the ranking then
+def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
+    """Average `sc` (the final adapter's `Scores`) with the earlier checkpoints' scores, in place; the ranking then
     follows the averaged scores (the exact re-ranking order of the final adapter alone is dropped). Returns the
     report entry, or None when no earlier checkpoint is used."""
     from .scoring import aggregate
@@ -222,7 +213,7 @@ def apply(s, sc, qitems, direction: str) -> Optional[dict]:
     paths, labels = resolve(s)
     if not paths:
         return None
-    parts = checkpoint_scores(s, paths, qitems, direction)
+    parts = checkpoint_scores(s, paths, qitems, settings)
     sc.per_item = average(sc.per_item, [p for p, _ in parts])
     sc.rank_item = average(sc.rank_item, [r for _, r in parts])
     sc.rank_agg = aggregate(sc.rank_item)

@@ -26,15 +26,18 @@ Statistics are streamed from the index in row chunks (`RowSource`); what is held
 (D floats), the Fisher Gram matrices (min(N, D_b)^2 per block, processed in block groups that fit
 `memory_bytes`), and the queries. Every method is linear in q, so scores against a preconditioned query stay
 inner products, and ``identity_scale`` (1 / lambda_b per block) lets an exact re-rank correct the projection error of
-the identity part (H^-1 = (I - M) / lambda with M the low-rank or diagonal part; see `api.score_items`).
+the identity part (H^-1 = (I - M) / lambda with M the low-rank or diagonal part; see `attribution.rerank`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from ..grads.layout import block_slices
+from ..store.rows import RowSource
 
 KINDS = ("identity", "diagonal", "fisher", "datainf")
 # Relative damping (x the mean eigenvalue, over the whole index for `diagonal`, per block for `fisher`/`datainf`)
@@ -47,14 +50,6 @@ DEFAULT_MEMORY_BYTES = 1 << 30
 
 
 # ------------------------------------------------------------------------------------------ pure reference maths
-
-
-def block_slices(block_dims: Sequence[int]) -> list[slice]:
-    out, a = [], 0
-    for d in block_dims:
-        out.append(slice(a, a + int(d)))
-        a += int(d)
-    return out
 
 
 def mean_eigenvalue(G: np.ndarray) -> float:
@@ -93,39 +88,6 @@ def datainf_inverse(q: np.ndarray, G: np.ndarray, lam: float) -> np.ndarray:
     n = G.shape[0]
     c = (q @ G.T) / (lam + np.square(G).sum(1))  # [Q, N] (or [N])
     return (q - (c @ G) / n) / lam
-
-
-# ----------------------------------------------------------------------------------------------- row sources
-
-
-class RowSource:
-    """Training gradients in row chunks (float64): from an in-memory array or from a `GradientIndex` and the
-    row keys of the training set (a key listed twice, a duplicated row, counts twice, as it did in training)."""
-
-    def __init__(self, array: Optional[np.ndarray] = None, *, index=None, row_keys: Optional[Sequence[str]] = None,
-                 memory_bytes: int = DEFAULT_MEMORY_BYTES // 4):
-        if (array is None) == (index is None):
-            raise ValueError("RowSource needs an array or an index with row keys")
-        self.array = None if array is None else np.asarray(array)
-        self.index = index
-        self.row_keys = list(row_keys) if row_keys is not None else None
-        self.n = self.array.shape[0] if self.array is not None else len(self.row_keys)
-        self.dim = self.array.shape[1] if self.array is not None else int(index.dim)
-        self.chunk_rows = max(1, int(memory_bytes // max(8 * self.dim, 1)))
-        self.reads = 0  # chunks read, for tests and logs
-
-    def bounds(self) -> list[tuple[int, int]]:
-        return [(a, min(self.n, a + self.chunk_rows)) for a in range(0, self.n, self.chunk_rows)]
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        self.reads += 1
-        if self.array is not None:
-            return np.asarray(self.array[a:b], dtype=np.float64)
-        return self.index.rows(self.row_keys[a:b]).astype(np.float64)
-
-    def chunks(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        for a, b in self.bounds():
-            yield a, b, self.read(a, b)
 
 
 # ------------------------------------------------------------------------------------------- preconditioner

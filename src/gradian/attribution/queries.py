@@ -12,7 +12,7 @@ is dominated by making the expected string likely in general, and its sign inver
 wrong-value rows also lower the loss of the shared answer prefix and end-of-turn). Instead (`query_items` with
 metric="loglik"): an item whose greedy answer differs from the expected one gets the contrastive query against that
 greedy answer (the full expected-answer log-prob against the model's own answer); an item whose greedy answer *is*
-the expected one gets the margin query. `api.attribute` raises `attribution.loglik_margin` (info) saying which items
+the expected one gets the margin query. `pipeline.attribute` raises `attribution.loglik_margin` (info) saying which items
 used which, or `attribution.loglik_classic_fallback` (warning) when the classic query was asked for explicitly.
 """
 
@@ -24,9 +24,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .capability import CapabilityResult
-from .capture import GradientCapture
-from .data import EvalItem, collate, eval_answer_example, tokenize_example
+from ..capability.evaluate import CapabilityResult
+from ..capability.metrics import normalize_answer
+from ..grads.capture import GradientCapture
+from ..grads.objectives import margin_losses, per_example_loss
+from ..setup.batches import collate
+from ..setup.records import EvalItem
+from ..setup.tokenize import eval_answer_example, tokenize_example
 
 
 @dataclass
@@ -72,8 +76,6 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
                 metric: Optional[str] = None) -> list[QueryItem]:
     """One query per selected item. With metric "loglik" (default: the capability's metric) and the contrastive
     formulation, an item with nothing to contrast against gets the margin query instead of the classic one."""
-    from .capability import normalize_answer
-
     metric = metric if metric is not None else getattr(cap, "metric", None)
     out = []
     for i in idx:
@@ -128,69 +130,10 @@ def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem]
     for s in range(0, len(margin_rows), batch_size):
         part = margin_rows[s : s + batch_size]
         ids, attn, sup = collate([t for _, t in part], pad)
-        vecs, _ = margin_vectors(capture, ids.to(device), attn.to(device), sup.to(device))
+        vecs, _ = capture.margin_vectors(ids.to(device), attn.to(device), sup.to(device))
         for (qi, _), v in zip(part, vecs.cpu()):
             out[qi] += v
     return out
-
-
-# ------------------------------------------------------------------------------------------------ margin query
-
-
-def _answer_logits(model, input_ids, attention_mask, supervised):
-    """(batch index, target ids, fp32 logits [n, V]) at every supervised answer token."""
-    from .loss import _head_of, backbone_hidden, supervised_positions
-
-    b_idx, pred_pos, tgt_pos = supervised_positions(supervised)
-    targets = input_ids[b_idx, tgt_pos]
-    head, softcap, exact = _head_of(model)
-    if exact:
-        hidden = backbone_hidden(model, input_ids, attention_mask)
-        logits = torch.nn.functional.linear(hidden[b_idx, pred_pos], head.weight, head.bias).float()
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[b_idx, pred_pos].float()
-    return b_idx, targets, logits
-
-
-def token_margins(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """z_y - logsumexp_{v != y} z_v per row (the log-odds of the target against everything else)."""
-    zy = logits.gather(1, targets[:, None]).squeeze(1)
-    others = logits.scatter(1, targets[:, None], float("-inf"))
-    return zy - torch.logsumexp(others, dim=-1)
-
-
-def margin_losses(model, input_ids, attention_mask, supervised):
-    """Per example, -margin at its decisive answer token (the lowest margin; the first on ties), and that token's
-    index among the example's supervised tokens. Differentiable through the model."""
-    b_idx, targets, logits = _answer_logits(model, input_ids, attention_mask, supervised)
-    m = token_margins(logits, targets)
-    B = input_ids.shape[0]
-    pick, which = [], []
-    md = m.detach()
-    for b in range(B):
-        sel = (b_idx == b).nonzero(as_tuple=True)[0]
-        if sel.numel() == 0:
-            which.append(-1)
-            continue
-        j = int(torch.argmin(md[sel]))
-        which.append(j)
-        pick.append(int(sel[j]))
-    pick_t = torch.tensor(pick, dtype=torch.long, device=logits.device)
-    losses = torch.zeros(B, dtype=torch.float32, device=logits.device).index_add(0, b_idx[pick_t], -m[pick_t])
-    return losses, which
-
-
-def margin_vectors(capture: GradientCapture, input_ids, attention_mask, supervised):
-    """[B, dim] gradients of each example's margin-query loss in the capture's (index) space, and the losses.
-    The same per-example hook algebra as `GradientCapture.site_grads`, with the margin loss in place of the
-    summed token loss."""
-    with capture._recording() as rec:
-        losses, _ = margin_losses(capture.model, input_ids, attention_mask, supervised)
-    per_site = capture.grads_from_recording(rec, losses.sum(), input_ids.shape[0])
-    vecs = [capture.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
-    return torch.cat(vecs, dim=1), losses.detach()
 
 
 @torch.no_grad()
@@ -199,8 +142,6 @@ def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[
     """The scalar query loss L_q of each query under `model` (float64), the function whose gradient
     `query_vectors` takes: loss(expected) - loss(generated) (contrastive), loss(expected) (classic) or -margin at
     the decisive token (margin; the token is chosen under this model)."""
-    from .loss import per_example_loss
-
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = np.zeros(len(queries))
@@ -216,4 +157,23 @@ def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[
         l, _ = margin_losses(model, ids.to(device), attn.to(device), sup.to(device))
         for (qi, _), v in zip(part, l.double().cpu().numpy()):
             out[qi] += float(v)
+    return out
+
+
+def loglik_flags(qitems: Sequence[QueryItem]) -> list[tuple[str, str, str, str]]:
+    """The report flags (id, level, message, fix) of queries built for `evaluation.metric: loglik`."""
+    forms = [q.formulation for q in qitems]
+    out = []
+    if "classic" in forms:
+        out.append(("attribution.loglik_classic_fallback", "warning",
+                    f"evaluation.metric is loglik and {forms.count('classic')} item(s) use the classic query "
+                    "(grad loss(expected)), whose sign can invert on substitution failures",
+                    "set attribution.query: contrastive (the margin query is used where no answer differs)"))
+    n_c, n_m = forms.count("contrastive"), forms.count("margin")
+    if n_c or n_m:
+        out.append(("attribution.loglik_margin", "info",
+                    f"evaluation.metric is loglik: {n_c} item(s) use the contrastive query against the fine-tune's "
+                    f"greedy answer (full expected-answer log-prob against it); {n_m} item(s) whose greedy answer is the "
+                    "expected one use the margin query (the expected token's logit against the log-sum-exp of the "
+                    "others, at its least-preferred answer token)", ""))
     return out

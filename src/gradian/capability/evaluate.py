@@ -1,77 +1,20 @@
-"""The capability delta: base vs fine-tuned on the eval set, per-item metric, paired bootstrap interval."""
+"""The capability delta: base vs fine-tuned on the eval set, generated greedily, per-item metric, paired bootstrap
+interval. `item_scores` is the one way a model is scored on the eval set (base, fine-tune and every retrain)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from statistics import NormalDist
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .data import EvalItem, eval_answer_example, eval_prompt_text, tokenize_example
-from .loss import per_example_loss
-from .progress import progress_bar
-
-
-# ---------------------------------------------------------------- metrics (pure)
-
-
-def normalize_answer(s: str) -> str:
-    """exact_match normalisation: surrounding white space and one trailing period."""
-    s = s.strip()
-    if s.endswith("."):
-        s = s[:-1].rstrip()
-    return s
-
-
-def exact_match(generated: str, expected: str) -> float:
-    return float(normalize_answer(generated) == normalize_answer(expected))
-
-
-def contains(generated: str, expected: str) -> float:
-    return float(expected.strip().lower() in generated.lower())
-
-
-METRICS = {"exact_match": exact_match, "contains": contains}
-
-
-# ---------------------------------------------------------------- bootstrap (pure)
-
-
-def paired_bootstrap(
-    base: Sequence[float], tuned: Sequence[float], *, samples: int = 10_000, confidence: float = 0.95, seed: int = 0
-) -> tuple[float, float, float]:
-    """Delta (tuned - base) of the means and its paired percentile-bootstrap interval."""
-    d = np.asarray(tuned, dtype=np.float64) - np.asarray(base, dtype=np.float64)
-    n = d.size
-    if n == 0:
-        return 0.0, 0.0, 0.0
-    delta = float(d.mean())
-    if np.all(d == d[0]):
-        # Every resample has the same mean; the interval is that point, never NaN.
-        return delta, delta, delta
-    rng = np.random.default_rng(seed)
-    means = np.empty(samples)
-    step = max(1, 2_000_000 // n)  # resample in blocks so a large eval set does not allocate samples x n at once
-    for s in range(0, samples, step):
-        m = min(step, samples - s)
-        idx = rng.integers(0, n, size=(m, n))
-        means[s : s + m] = d[idx].mean(axis=1)
-    alpha = 1.0 - confidence
-    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
-    return delta, float(lo), float(hi)
-
-
-def min_detectable_delta(n: int, confidence: float = 0.95, power: float = 0.8, sd: float = 0.5) -> float:
-    """Smallest |delta| a paired test on n items detects with this power, for per-item differences of spread sd.
-
-    sd = 0.5 is the spread of a 50/50 binary outcome, the conservative case for exact_match and contains.
-    """
-    if n <= 0:
-        return float("inf")
-    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2) + NormalDist().inv_cdf(power)
-    return float(z * sd / np.sqrt(n))
+from ..grads.objectives import per_example_loss
+from ..progress import progress_bar
+from ..setup.batches import collate
+from ..setup.records import EvalItem
+from ..setup.tokenize import eval_answer_example, eval_prompt_text, tokenize_example
+from .metrics import item_score, loglik_score, min_detectable_delta, paired_bootstrap
 
 
 # ---------------------------------------------------------------- generation and scoring
@@ -136,8 +79,6 @@ def answer_logprobs(model, tokenizer, items: Sequence[EvalItem], answers: Sequen
                     batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Summed log-probability of each answer after its prompt, and its number of tokens."""
     toks = [tokenize_example(tokenizer, eval_answer_example(it, a, chat), max_len) for it, a in zip(items, answers)]
-    from .data import collate
-
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lp, n = [], []
@@ -172,26 +113,27 @@ class CapabilityResult:
         return d
 
 
+@torch.no_grad()
+def item_scores(model, tokenizer, items: Sequence[EvalItem], *, metric: str, chat: bool, max_new_tokens: int,
+                batch_size: int, max_len: int, desc: str = "answers") -> tuple[list[float], list[str]]:
+    """Per-item scores of `model` on the eval items and its greedy answers (exact_match and contains score the
+    answers; loglik the expected answer's per-token probability)."""
+    gen = generate_answers(model, tokenizer, items, chat=chat, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           desc=desc)
+    expected = [it.answer for it in items]
+    if metric == "loglik":
+        lp, n = answer_logprobs(model, tokenizer, items, expected, chat=chat, max_len=max_len, batch_size=batch_size)
+        return [float(x) for x in loglik_score(lp, n)], gen
+    return [item_score(metric, g, e) for g, e in zip(gen, expected)], gen
+
+
 def measure_capability(model, tokenizer, items: Sequence[EvalItem], *, metric: str, chat: bool, max_new_tokens: int,
                        batch_size: int, max_len: int, samples: int, confidence: float, seed: int) -> CapabilityResult:
     """Base (adapter disabled) vs tuned, per item."""
+    kw = dict(metric=metric, chat=chat, max_new_tokens=max_new_tokens, batch_size=batch_size, max_len=max_len)
     with model.disable_adapter():
-        base_gen = generate_answers(model, tokenizer, items, chat=chat, max_new_tokens=max_new_tokens,
-                                    batch_size=batch_size, desc="base answers")
-    tuned_gen = generate_answers(model, tokenizer, items, chat=chat, max_new_tokens=max_new_tokens,
-                                 batch_size=batch_size, desc="tuned answers")
-    expected = [it.answer for it in items]
-    if metric == "loglik":
-        # Per-token probability of the expected answer (geometric mean): a fraction in [0, 1] like the others.
-        with model.disable_adapter():
-            lp_b, n = answer_logprobs(model, tokenizer, items, expected, chat=chat, max_len=max_len, batch_size=batch_size)
-        lp_t, _ = answer_logprobs(model, tokenizer, items, expected, chat=chat, max_len=max_len, batch_size=batch_size)
-        base = list(np.exp(lp_b / np.maximum(n, 1)))
-        tuned = list(np.exp(lp_t / np.maximum(n, 1)))
-    else:
-        fn = METRICS[metric]
-        base = [fn(g, e) for g, e in zip(base_gen, expected)]
-        tuned = [fn(g, e) for g, e in zip(tuned_gen, expected)]
+        base, base_gen = item_scores(model, tokenizer, items, desc="base answers", **kw)
+    tuned, tuned_gen = item_scores(model, tokenizer, items, desc="tuned answers", **kw)
     delta, lo, hi = paired_bootstrap(base, tuned, samples=samples, confidence=confidence, seed=seed)
     significant = not (lo <= 0.0 <= hi)
     return CapabilityResult(

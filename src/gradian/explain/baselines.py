@@ -15,7 +15,7 @@ per failing eval item, one column per training row, higher = more accused), aver
   identity score uses, normalised on both sides, so large-norm rows no longer dominate), with Gradian's harm sign.
 
 The maths (`bm25_scores`, `cosine_matrix`, `gradient_cosine`) is pure numpy; `mean_hidden_states` runs the
-model; `compute_baselines` wires them to an open `gradian.api.Session`.
+model; `compute_baselines` wires them to an open `gradian.setup.session.Session`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def gradient_cosine(inner: np.ndarray, query_norms: np.ndarray, row_norms: np.nd
                     ) -> np.ndarray:
     """Per-item harm scores [Q, N] = -cos(q, g) from raw inner products <q, g> and the norms of both sides (the
     minus is Gradian's harm sign: a row whose gradient step lowers the wrong answer's margin scores high)."""
-    from .scoring import harm_from_inner
+    from ..attribution.scoring import harm_from_inner
 
     inner = np.asarray(inner, dtype=np.float64)
     qn = np.maximum(np.asarray(query_norms, dtype=np.float64), eps)[:, None]
@@ -131,7 +131,7 @@ def mean_hidden_states(model, toks, pad_id: int, *, batch_size: int = 8) -> np.n
     """[N, H] mean of the last hidden state over each row's attended tokens (model as given: adapter on)."""
     import torch
 
-    from .data import collate
+    from ..setup.batches import collate
 
     was_training = model.training
     model.eval()
@@ -161,10 +161,10 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
     """Per-item scores [Q, N] of each baseline in `which` for the failing items `queries` (`query.QueryItem`s, or
     dicts with item/prompt/generated as in report.json's `query.items`), over the session's training rows.
 
-    `gradcos` needs the session's gradient `capture` and open `index` (with `row_keys`), as `api.index` returns."""
+    `gradcos` needs the session's gradient `capture` and open `index` (with `row_keys`), as `pipeline.index_stage` returns."""
     import time
 
-    from .data import eval_answer_example, tokenize_example
+    from ..setup.tokenize import eval_answer_example, tokenize_example
 
     s = session
     qs = [q if isinstance(q, dict) else {"item": q.item, "prompt": q.prompt, "generated": q.generated,
@@ -190,8 +190,8 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
         timings["repsim"] = time.process_time() - t0
     if "gradcos" in which:
         if capture is None or index is None or row_keys is None:
-            raise ValueError("gradcos needs the gradient capture, the open index and its row keys (api.index)")
-        from .query import QueryItem, query_vectors
+            raise ValueError("gradcos needs the gradient capture, the open index and its row keys (pipeline.index_stage)")
+        from ..attribution.queries import QueryItem, query_vectors
 
         t0 = time.process_time()
         qitems = [q if not isinstance(q, dict) else

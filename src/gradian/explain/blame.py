@@ -138,8 +138,9 @@ def item_margins(model, tokenizer, items, expected: Sequence[str], generated: Se
                  max_len: int, batch_size: int) -> tuple[list[Optional[float]], list[Optional[float]]]:
     """(margin under the base, margin under the fine-tune) per item; None where the generated answer is empty or
     the expected one (nothing to compare)."""
-    from .capability import answer_logprobs, normalize_answer
-    from .query import contrast_answer
+    from ..attribution.queries import contrast_answer
+    from ..capability.evaluate import answer_logprobs
+    from ..capability.metrics import normalize_answer
 
     generated = [contrast_answer(e, g) for e, g in zip(expected, generated)]
     keep = [i for i, (e, g) in enumerate(zip(expected, generated))
@@ -159,3 +160,38 @@ def item_margins(model, tokenizer, items, expected: Sequence[str], generated: Se
         mb[i] = margin(lb[j], lb[k + j])
         mt[i] = margin(lt[j], lt[k + j])
     return mb, mt
+
+
+def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id: int, base: bool) -> list[float]:
+    """Each row's mean supervised-token loss under the fine-tune or (adapter disabled) the base."""
+    import contextlib
+
+    import torch
+
+    from ..grads.objectives import per_example_loss
+    from ..setup.batches import collate
+
+    rows = [toks[p] for p in positions]
+    out: list[float] = []
+    device = next(model.parameters()).device
+    with torch.no_grad(), (model.disable_adapter() if base else contextlib.nullcontext()):
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i : i + batch_size]
+            ids, attn, sup = collate(batch, pad_id)
+            losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
+            out.extend((losses.cpu() / torch.tensor([max(t.n_supervised, 1) for t in batch])).tolist())
+    return out
+
+
+def blame(model, tokenizer, eval_items, qitems, report_items: list[dict], ranking: list[dict], direction: str, *,
+          chat: bool, max_len: int, batch_size: int) -> dict:
+    """Per failing item (in `report_items`, in place): the margins under base and fine-tune and their statement;
+    returns the top-level `blame` block."""
+    by_pos = {it.position: it for it in eval_items or []}
+    its = [by_pos[q.item] for q in qitems]
+    mb, mt = item_margins(model, tokenizer, its, [q.expected for q in qitems], [q.generated for q in qitems],
+                          chat=chat, max_len=max_len, batch_size=batch_size)
+    for d, b, t, q in zip(report_items, mb, mt, qitems):
+        d["margin_base"], d["margin_tuned"] = b, t
+        d["statement"] = item_statement(b, t, q.expected, q.generated, direction or "regression")
+    return summarize([r.get("verdict", "unknown") for r in ranking], report_items, direction or "regression")

@@ -59,7 +59,7 @@ def unit_rows(source, *, sketch_dim: int = SKETCH_DIM, exact_max_floats: int = E
               seed: int = 0) -> np.ndarray:
     """Unit-norm training gradients [N, dim] (float32) from a `precondition.RowSource` or an array, sketched to
     `sketch_dim` dims (seeded Gaussian, E[S S^T] = I) when N x dim exceeds `exact_max_floats`. Zero rows stay 0."""
-    from .precondition import RowSource
+    from ..store.rows import RowSource
 
     src = source if isinstance(source, RowSource) else RowSource(np.asarray(source))
     sketch = None

@@ -14,9 +14,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .loss import per_example_loss
-from .modeling import LoraSite
-from .projection import Projector, SiteShape
+from ..projection import Projector
+from ..setup.model import LoraSite
+from .layout import site_shapes
+from .objectives import margin_losses, per_example_loss
 
 
 class _Recorder:
@@ -48,10 +49,6 @@ class _Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-def site_shapes(sites: Sequence[LoraSite]) -> list[SiteShape]:
-    return [SiteShape(s.name, s.r, s.d_in, s.d_out) for s in sites]
 
 
 def per_example_site_grads(x: Tensor, gh: Tensor, h: Tensor, gz: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,3 +115,13 @@ class GradientCapture:
         per_site, losses = self.site_grads(input_ids, attention_mask, supervised, weights)
         vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
         return torch.cat(vecs, dim=1), losses
+
+    def margin_vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor):
+        """[B, dim] gradients of each example's margin-query loss (`objectives.margin_losses`) in the capture's space,
+        and the losses: the same per-example hook algebra as `site_grads`, with the margin loss in place of the summed
+        token loss."""
+        with self._recording() as rec:
+            losses, _ = margin_losses(self.model, input_ids, attention_mask, supervised)
+        per_site = self.grads_from_recording(rec, losses.sum(), input_ids.shape[0])
+        vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
+        return torch.cat(vecs, dim=1), losses.detach()

@@ -8,10 +8,10 @@ the backward pass recomputes each chunk instead of keeping B x T x V fp32 activa
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
+
+from .lm_head import backbone_hidden, chunked_head_loss, chunked_logits_loss, head_logits, head_of
 
 
 def supervised_positions(supervised: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -25,82 +25,6 @@ def supervised_positions(supervised: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return b, t - 1, t
 
 
-class _ChunkedHeadCE(torch.autograd.Function):
-    """Cross-entropy of `hidden @ weight.T` at selected rows, chunked; recomputes logits in backward.
-
-    Each chunk works in one [chunk, V] fp32 buffer, updated in place and released before the next chunk, so the
-    peak extra memory is about one chunk x vocab x 4 bytes instead of all supervised tokens x vocab.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk: int, softcap: float):
-        n = hidden.shape[0]
-        losses = hidden.new_empty(n, dtype=torch.float32)
-        lse_all = hidden.new_empty(n, dtype=torch.float32)
-        with torch.no_grad():
-            for s in range(0, n, chunk):
-                z = _logits(hidden[s : s + chunk], weight, bias, softcap)
-                tgt = z.gather(1, targets[s : s + chunk, None]).squeeze(1)
-                m = z.amax(1, keepdim=True)
-                lse = z.sub_(m).exp_().sum(1).log_().add_(m.squeeze(1))
-                lse_all[s : s + chunk] = lse
-                losses[s : s + chunk] = lse - tgt
-                del z
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse_all)
-        ctx.chunk, ctx.softcap, ctx.has_bias = chunk, softcap, bias is not None
-        return losses
-
-    @staticmethod
-    def backward(ctx, grad_losses: Tensor):
-        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
-        grad_hidden = torch.empty_like(hidden)
-        c = ctx.chunk
-        for s in range(0, hidden.shape[0], c):
-            with torch.no_grad():
-                raw = torch.nn.functional.linear(hidden[s : s + c], weight, bias).float()
-                if ctx.softcap:
-                    t = raw.div_(ctx.softcap).tanh_()
-                    p = (t * ctx.softcap).sub_(lse_all[s : s + c, None]).exp_()
-                    dz_scale = t.mul_(t).neg_().add_(1.0)  # d softcap(z) / dz = 1 - tanh^2
-                else:
-                    p, dz_scale = raw.sub_(lse_all[s : s + c, None]).exp_(), None
-                p.scatter_add_(1, targets[s : s + c, None], -torch.ones_like(p[:, :1]))
-                p.mul_(grad_losses[s : s + c, None])
-                if dz_scale is not None:
-                    p.mul_(dz_scale)
-                grad_hidden[s : s + c] = (p.to(weight.dtype) @ weight).to(hidden.dtype)
-                del raw, p, dz_scale
-        return grad_hidden, None, None, None, None, None
-
-
-def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: float) -> Tensor:
-    # The head runs in the model's dtype (as the model itself would); the upcast happens on its output.
-    logits = torch.nn.functional.linear(h, weight, bias).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def chunked_head_loss(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, *, chunk: int = 1024, softcap: float = 0.0
-) -> Tensor:
-    """Per-token losses (fp32) of the LM head applied to `hidden` rows [N, H] against `targets` [N]."""
-    if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * hidden.sum()
-    return _ChunkedHeadCE.apply(hidden, weight, bias, targets, chunk, softcap)
-
-
-def chunked_logits_loss(logits: Tensor, targets: Tensor, *, chunk: int = 1024) -> Tensor:
-    """Per-token losses from already computed logits rows [N, V], upcast chunk by chunk."""
-    out = []
-    for s in range(0, logits.shape[0], chunk):
-        out.append(torch.nn.functional.cross_entropy(logits[s : s + chunk].float(), targets[s : s + chunk], reduction="none"))
-    return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
-
-
 def naive_per_example_loss(logits: Tensor, input_ids: Tensor, supervised: Tensor) -> Tensor:
     """Reference: full fp32 upcast of B x T x V logits. Tests and the memory benchmark compare against it."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -108,25 +32,6 @@ def naive_per_example_loss(logits: Tensor, input_ids: Tensor, supervised: Tensor
     tok = -logp[:, :-1].gather(2, tgt[..., None]).squeeze(-1)
     mask = supervised[:, 1:].to(tok.dtype)
     return (tok * mask).sum(1)
-
-
-def _head_of(model) -> tuple[torch.nn.Module, float, bool]:
-    """The output embedding, the final soft-cap and whether the hidden-state shortcut is exact for this model."""
-    head = model.get_output_embeddings()
-    cfg = getattr(model, "config", None)
-    softcap = float(getattr(cfg, "final_logit_softcapping", 0.0) or 0.0)
-    # Models that rescale logits in their own forward (Cohere's logit_scale, ...) take the logits path instead.
-    exact = head is not None and isinstance(head, torch.nn.Linear) and getattr(cfg, "logit_scale", None) is None
-    return head, softcap, exact
-
-
-def backbone_hidden(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """The final (normed) hidden states the LM head reads, without computing any logits."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is not None and decoder is not model:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    return out.hidden_states[-1]
 
 
 def per_example_loss(
@@ -138,7 +43,7 @@ def per_example_loss(
     """
     b_idx, pred_pos, tgt_pos = supervised_positions(supervised)
     targets = input_ids[b_idx, tgt_pos]
-    head, softcap, exact = _head_of(model)
+    head, softcap, exact = head_of(model)
     if exact:
         hidden = backbone_hidden(model, input_ids, attention_mask)
         tok = chunked_head_loss(hidden[b_idx, pred_pos], head.weight, head.bias, targets, chunk=chunk, softcap=softcap)
@@ -149,3 +54,47 @@ def per_example_loss(
     if token_losses:
         return per_ex, (b_idx, tgt_pos, tok)
     return per_ex
+
+
+# ------------------------------------------------------------------------------------------------ margin
+
+
+def _answer_logits(model, input_ids, attention_mask, supervised):
+    """(batch index, target ids, fp32 logits [n, V]) at every supervised answer token."""
+    b_idx, pred_pos, tgt_pos = supervised_positions(supervised)
+    targets = input_ids[b_idx, tgt_pos]
+    head, softcap, exact = head_of(model)
+    if exact:
+        hidden = backbone_hidden(model, input_ids, attention_mask)
+        logits = head_logits(hidden[b_idx, pred_pos], head.weight, head.bias, softcap)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[b_idx, pred_pos].float()
+    return b_idx, targets, logits
+
+
+def token_margins(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """z_y - logsumexp_{v != y} z_v per row (the log-odds of the target against everything else)."""
+    zy = logits.gather(1, targets[:, None]).squeeze(1)
+    others = logits.scatter(1, targets[:, None], float("-inf"))
+    return zy - torch.logsumexp(others, dim=-1)
+
+
+def margin_losses(model, input_ids, attention_mask, supervised):
+    """Per example, -margin at its decisive answer token (the lowest margin; the first on ties), and that token's
+    index among the example's supervised tokens. Differentiable through the model."""
+    b_idx, targets, logits = _answer_logits(model, input_ids, attention_mask, supervised)
+    m = token_margins(logits, targets)
+    B = input_ids.shape[0]
+    pick, which = [], []
+    md = m.detach()
+    for b in range(B):
+        sel = (b_idx == b).nonzero(as_tuple=True)[0]
+        if sel.numel() == 0:
+            which.append(-1)
+            continue
+        j = int(torch.argmin(md[sel]))
+        which.append(j)
+        pick.append(int(sel[j]))
+    pick_t = torch.tensor(pick, dtype=torch.long, device=logits.device)
+    losses = torch.zeros(B, dtype=torch.float32, device=logits.device).index_add(0, b_idx[pick_t], -m[pick_t])
+    return losses, which

@@ -36,303 +36,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..io import atomic_write_bytes
+from ..grads.layout import SiteShape
+from .data_aware import BASIS_FILE, BASIS_SCHEMA, STAGE2_WIDTH, Basis, BasisFitter, basis_bytes
+from .random import SJLT_NNZ, SJLT_SPARSE_FROM_K, SparseJL, _seed_for, dense_blocks, random_matrix
 
 # Bump when any matrix this module generates changes for the same settings: it is part of spec(), so of the
 # index cache key, and an index built with other matrices becomes foreign.
 PROJECTION_VERSION = 2
 KINDS = ("rademacher", "gaussian", "sjlt", "data-aware")
-RANDOM_KINDS = ("rademacher", "gaussian", "sjlt")
-BLOCK_ROWS = 2048  # rows of a dense random matrix generated from one seed
-SJLT_NNZ = 4  # nonzeros per input coordinate
-SJLT_SPARSE_FROM_K = 128  # from this k on the CSR product beats a dense copy of the SJLT (CPU, measured)
 DENSE_CACHE_BYTES = 512 << 20  # dense matrices kept per projector; beyond it blocks are regenerated per call
 DEFAULT_FIT_ROWS = 512  # rows the data-aware basis is fitted on (2 capture passes over them)
-GRAM_MAX_D = 1024  # data-aware stage 1: exact d x d Gram up to this width, a Frequent Directions sketch above
-STAGE2_WIDTH = 256  # data-aware: r * k1, the width of a side's stage-1 output (its stage-2 Gram is this squared)
-BASIS_FILE = "projection_basis.safetensors"
-BASIS_SCHEMA = "gradian.projection_basis/2"
-
-
-@dataclass(frozen=True)
-class SiteShape:
-    name: str
-    r: int
-    d_in: int
-    d_out: int
-
-
-def _seed_for(seed: int, name: str, side: str, block: Optional[int] = None) -> int:
-    tag = f"{seed}:{name}:{side}" + ("" if block is None else f":{block}")
-    return int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-# ------------------------------------------------------------------------------------------- random kinds
-
-
-def dense_block(kind: str, rows: int, cols: int, seed: int) -> Tensor:
-    """One block [rows, cols] of a dense random projection, entries of variance 1/cols (float32, CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == "gaussian":
-        m = torch.randn(rows, cols, generator=g)
-    elif kind == "rademacher":
-        m = torch.randint(0, 2, (rows, cols), generator=g).float().mul_(2).sub_(1)
-    else:
-        raise ValueError(f"dense_block: unknown dense kind {kind!r}")
-    return m.mul_(1.0 / math.sqrt(cols))
-
-
-def dense_blocks(kind: str, d: int, k: int, seed: int, name: str, side: str):
-    """(start, stop, block) over the d rows of the matrix of (seed, site, side), BLOCK_ROWS at a time."""
-    for b, start in enumerate(range(0, d, BLOCK_ROWS)):
-        stop = min(d, start + BLOCK_ROWS)
-        yield start, stop, dense_block(kind, stop - start, k, _seed_for(seed, name, side, b))
-
-
-class SparseJL:
-    """A d -> k sparse JL transform: every input coordinate has `s` nonzeros +-1/sqrt(s), one per output block."""
-
-    def __init__(self, d: int, k: int, seed: int, s: int = SJLT_NNZ):
-        self.d, self.k = d, k
-        self.s = s = max(1, min(s, k))
-        g = torch.Generator().manual_seed(seed)
-        bounds = [(j * k) // s for j in range(s + 1)]  # block j covers outputs [bounds[j], bounds[j+1])
-        cols, signs = [], []
-        for j in range(s):
-            lo, hi = bounds[j], bounds[j + 1]
-            cols.append(torch.randint(lo, hi, (d,), generator=g))
-            signs.append(torch.randint(0, 2, (d,), generator=g).float().mul_(2).sub_(1))
-        self.cols = torch.stack(cols)  # [s, d] output bucket of each input coordinate, per block
-        self.vals = torch.stack(signs).mul_(1.0 / math.sqrt(s))  # [s, d]
-        self._csr: dict = {}
-
-    def dense(self) -> Tensor:
-        """The same transform as a dense [d, k] matrix (for small d*k, and for tests)."""
-        m = torch.zeros(self.d, self.k)
-        rows = torch.arange(self.d)
-        for j in range(self.s):
-            m.index_put_((rows, self.cols[j]), self.vals[j], accumulate=True)
-        return m
-
-    def _transposed_csr(self, device) -> Tensor:
-        """P^T as a [k, d] CSR matrix (entries sorted by row, then column: a fixed summation order)."""
-        key = str(device)
-        m = self._csr.get(key)
-        if m is None:
-            rows = self.cols.flatten()
-            cols = torch.arange(self.d).repeat(self.s)
-            vals = self.vals.flatten()
-            order = torch.argsort(rows * self.d + cols)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-                m = torch.sparse_coo_tensor(torch.stack([rows[order], cols[order]]), vals[order], (self.k, self.d),
-                                            check_invariants=False)
-                m = m.coalesce().to_sparse_csr().to(device)
-            self._csr[key] = m
-        return m
-
-    def apply(self, x: Tensor) -> Tensor:
-        """x [..., d] -> x P [..., k]."""
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, self.d)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            out = (self._transposed_csr(x.device) @ flat.T.contiguous()).T  # [N, k]
-        return out.reshape(*lead, self.k)
-
-
-def random_matrix(rows: int, cols: int, *, kind: str, seed: int, device=None, name: str = "", side: str = "") -> Tensor:
-    """The whole rows x cols matrix (E[P P^T] = I) of (kind, seed, name, side), assembled from its blocks.
-
-    Only for small matrices and tests; `Projector` never needs one for a large d."""
-    if kind == "sjlt":
-        m = SparseJL(rows, cols, _seed_for(seed, name, side)).dense()
-    elif kind in ("rademacher", "gaussian"):
-        m = torch.cat([blk for _, _, blk in dense_blocks(kind, rows, cols, seed, name, side)])
-    else:
-        raise ValueError(f"unknown projection kind {kind!r}; known: {', '.join(RANDOM_KINDS)}")
-    return m.to(device) if device is not None else m
-
-
-# ---------------------------------------------------------------------------------------- data-aware fit
-
-
-def _top_eigvecs(gram: Tensor) -> tuple[Tensor, Tensor]:
-    """All eigenpairs of a symmetric PSD float64 matrix, largest first, with deterministic signs (the
-    largest-magnitude entry of each vector positive, the first one on ties)."""
-    evals, evecs = torch.linalg.eigh(gram)
-    evals, evecs = evals.flip(0).clamp(min=0.0), evecs.flip(1)
-    return evals, _fix_signs(evecs)
-
-
-def _fix_signs(u: Tensor) -> Tensor:
-    if u.shape[1] == 0:
-        return u
-    piv = u.abs().argmax(0)
-    sign = torch.sign(u[piv, torch.arange(u.shape[1])])
-    sign[sign == 0] = 1.0
-    return u * sign
-
-
-class _SideFit:
-    """Second moment of the rows of one wide side: the exact Gram (float64) when d <= GRAM_MAX_D, else a Frequent
-    Directions sketch of l rows (Liberty 2013: deterministic, one pass, B^T B within ||A - A_k||_F^2 / (l - k) of
-    the Gram, far below what the top k1 <= l / 4 directions need). On CPU, so the result depends only on the rows
-    fed and their order."""
-
-    def __init__(self, d: int, k: int):
-        self.d = d
-        self.l = max(4 * k, 128)
-        if d <= max(GRAM_MAX_D, 2 * self.l):
-            self.gram: Optional[Tensor] = torch.zeros(d, d, dtype=torch.float64)
-        else:
-            self.gram = None
-            self.buf = torch.zeros(2 * self.l, d, dtype=torch.float32)
-            self.fill = 0
-
-    def update(self, rows: Tensor) -> None:
-        rows = rows.detach().reshape(-1, self.d)
-        if self.gram is not None:
-            r64 = rows.to("cpu", torch.float64)
-            self.gram += r64.T @ r64
-            return
-        rows = rows.to("cpu", torch.float32)
-        for a in range(0, rows.shape[0], self.l):
-            part = rows[a : a + self.l]
-            if self.fill + part.shape[0] > self.buf.shape[0]:
-                self._shrink()
-            self.buf[self.fill : self.fill + part.shape[0]] = part
-            self.fill += part.shape[0]
-
-    def _spectrum(self) -> tuple[Tensor, Tensor]:
-        """Eigenvalues (desc) of B^T B and the matching orthonormal right singular vectors of B, as rows [m, d]."""
-        b = self.buf[: self.fill].double()
-        evals, v = _top_eigvecs(b @ b.T)  # the small side: (2 l) x (2 l)
-        keep = evals > (evals[0] * 1e-12 if evals.numel() else 0)
-        evals, v = evals[keep], v[:, keep]
-        return evals, (v.T @ b) / evals.sqrt()[:, None]
-
-    def _shrink(self) -> None:
-        evals, vt = self._spectrum()
-        delta = evals[self.l] if evals.numel() > self.l else evals.new_zeros(())
-        s2 = torch.clamp(evals[: self.l] - delta, min=0.0).sqrt()
-        self.buf.zero_()
-        self.buf[: s2.numel()] = (s2[:, None] * vt[: s2.numel()]).float()
-        self.fill = s2.numel()
-
-    def top(self, k: int) -> Tensor:
-        """Top-k directions [d, k], float32, orthonormal columns."""
-        if self.gram is not None:
-            _, u = _top_eigvecs(self.gram)
-        else:
-            _, vt = self._spectrum()
-            u = _fix_signs(vt.T)
-        u = u[:, :k]
-        if u.shape[1] < k:  # fewer nonzero directions than asked: complete with a fixed orthonormal set
-            q, _ = torch.linalg.qr(torch.cat([u, torch.eye(self.d, dtype=u.dtype)], 1))
-            u = _fix_signs(q[:, :k])
-        return u.float().contiguous()
-
-
-@dataclass
-class Basis:
-    """A fitted data-aware projection. Per (site, side): `stage1` U [d, k1] (absent when k1 = d: identity),
-    `stage2` W [r k1, k2] (absent when the side got no dims), `energy` [k2] (its eigenvalues)."""
-
-    stage1: dict = field(default_factory=dict)
-    stage2: dict = field(default_factory=dict)
-    energy: dict = field(default_factory=dict)
-    examples: int = 0
-
-
-class BasisFitter:
-    """Fits a data-aware projector's basis from per-example site gradients in `passes` passes over the same rows,
-    in the same order: for each pass, feed `update(i, dA, dB)` (or `update_all`) for every site of every batch,
-    then call `end_pass()`; finally `projector.set_basis(fitter.finish())`. Pass 1 fits the wide-side directions
-    (skipped when no side needs them), the last pass the site PCA and the allocation of the budget."""
-
-    def __init__(self, projector: "Projector"):
-        if projector.kind != "data-aware" or projector.exact:
-            raise ValueError("only a projecting data-aware projector is fitted")
-        self.p = projector
-        self.stage1_fits: dict = {}
-        for s in projector.sites:
-            for side in ("A", "B"):
-                k1, d = projector.k1(s, side), (s.d_in if side == "A" else s.d_out)
-                if k1 < d:
-                    self.stage1_fits[(s.name, side)] = _SideFit(d, k1)
-        self.passes = 2 if self.stage1_fits else 1
-        self.pass_no = 0  # passes ended so far
-        self.stage1: dict = {}
-        self.grams: dict = {}
-        self.examples = 0
-
-    def update(self, i: int, dA: Tensor, dB: Tensor) -> None:
-        s = self.p.sites[i]
-        xs = {"A": dA, "B": dB.transpose(1, 2)}  # both [B, r, d]: rows of dA, columns of dB
-        if self.pass_no >= self.passes:
-            raise RuntimeError("update() after the last pass")
-        if self.passes == 2 and self.pass_no == 0:
-            for side, x in xs.items():
-                fit = self.stage1_fits.get((s.name, side))
-                if fit is not None:
-                    fit.update(x.reshape(-1, x.shape[-1]))
-            return
-        if i == 0:
-            self.examples += dA.shape[0]
-        for side, x in xs.items():
-            u = self.stage1.get((s.name, side))
-            z = (x.float() @ u.to(x.device) if u is not None else x.float()).flatten(1).to("cpu", torch.float64)
-            g = self.grams.get((s.name, side))
-            self.grams[(s.name, side)] = z.T @ z if g is None else g.add_(z.T @ z)
-
-    def update_all(self, per_site: Sequence[tuple[Tensor, Tensor]]) -> None:
-        for i, (dA, dB) in enumerate(per_site):
-            self.update(i, dA, dB)
-
-    def end_pass(self) -> None:
-        if self.passes == 2 and self.pass_no == 0:
-            self.stage1 = {(name, side): fit.top(self.p.k1(self.p.site(name), side))
-                           for (name, side), fit in self.stage1_fits.items()}
-            self.stage1_fits = {}
-        self.pass_no += 1
-
-    def finish(self) -> Basis:
-        if self.pass_no != self.passes:
-            raise RuntimeError(f"finish() after {self.pass_no} of {self.passes} passes")
-        eig = {}
-        cand = []  # (energy, side order, index): the budget goes to the largest energies over all sides
-        order = [(s.name, side) for s in self.p.sites for side in ("A", "B")]
-        for o, key in enumerate(order):
-            g = self.grams.get(key)
-            if g is None:
-                continue
-            evals, evecs = _top_eigvecs(g)
-            eig[key] = (evals, evecs)
-            cand.extend((float(e), o, j) for j, e in enumerate(evals.tolist()))
-        cand.sort(key=lambda c: (-c[0], c[1], c[2]))
-        take: dict = {}
-        for _, o, _j in cand[: self.p.dim]:
-            take[order[o]] = take.get(order[o], 0) + 1
-        basis = Basis(stage1=dict(self.stage1), examples=self.examples)
-        for key, k2 in take.items():
-            evals, evecs = eig[key]
-            basis.stage2[key] = evecs[:, :k2].float().contiguous()
-            basis.energy[key] = evals[:k2].float().contiguous()
-        return basis
-
-
-# -------------------------------------------------------------------------------------------- projector
 
 
 class Projector:
@@ -517,27 +240,6 @@ class Projector:
             pb = dB
         return torch.cat([pa.flatten(1), pb.flatten(1)], dim=1)
 
-    def project_inputs(self, i: int, x: Tensor, gh: Tensor, h: Tensor, gz: Tensor) -> Tensor:
-        """The same vector as `project(i, dA, dB)` with dA = sum_t gh_t x_t^T and dB = sum_t gz_t h_t^T, computed
-        by projecting the wide inputs first: (sum_t gh_t x_t^T) P = sum_t gh_t (x_t^T P). x [B, T, d_in],
-        gh [B, T, r], h [B, T, r], gz [B, T, d_out]. Cheaper than the outer product when k < r or T is short."""
-        site = self.sites[i]
-        x, gh, h, gz = x.float(), gh.float(), h.float(), gz.float()
-        if self.k is None:
-            return self.project(i, torch.einsum("btr,bti->bri", gh, x), torch.einsum("bto,btr->bor", gz, h))
-        if self.kind == "data-aware":
-            ua, ub = self._fitted("U", site, "A", x.device), self._fitted("U", site, "B", x.device)
-            xa = x @ ua if ua is not None else x
-            zb = gz @ ub if ub is not None else gz
-            za = torch.einsum("btr,btk->brk", gh, xa)  # (dA) U_A: [B, r, k1]
-            zbb = torch.einsum("btr,btk->brk", h, zb)  # (dB^T) U_B: [B, r, k1]
-            return torch.cat([self._stage2(site, "A", za), self._stage2(site, "B", zbb)], dim=1)
-        xa = self._apply(site, "A", x) if self._projects(site, "A") else x
-        zb = self._apply(site, "B", gz) if self._projects(site, "B") else gz
-        pa = torch.einsum("btr,btk->brk", gh, xa)
-        pb = torch.einsum("btk,btr->bkr", zb, h)
-        return torch.cat([pa.flatten(1), pb.flatten(1)], dim=1)
-
     # ------------------------------------------------------------------------------------- data-aware
 
     def fitter(self) -> BasisFitter:
@@ -582,19 +284,10 @@ class Projector:
                 tensors[f"{prefix}|{name}|{side}"] = m
         meta = {"schema": BASIS_SCHEMA, "spec": json.dumps(self.basis_spec(), sort_keys=True),
                 "examples": str(self.basis.examples)}
-        data = _safetensors_bytes(tensors, meta)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        data = basis_bytes(tensors, meta)
         # Not the index's ".tmp-" prefix: `GradientIndex.open` deletes those as a killed writer's debris.
-        tmp = path.with_name(f".basis-tmp-{path.name}.{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        path = Path(path)
+        atomic_write_bytes(path, data, tmp_name=f".basis-tmp-{path.name}.{os.getpid()}", durable=False)
         self.basis_sha256 = hashlib.sha256(data).hexdigest()
         return self.basis_sha256
 
@@ -652,31 +345,24 @@ class Projector:
         return d
 
 
-def _safetensors_bytes(tensors: dict, metadata: dict) -> bytes:
-    """float32 tensors as a safetensors file, byte for byte a function of the input (sorted names and metadata
-    keys: `safetensors.torch.save` orders its metadata by a hash map, so its bytes, and the sha256 the index
-    meta records, could differ between two saves of the same basis)."""
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
-    blobs, off = [], 0
-    for name in sorted(tensors):
-        arr = tensors[name].detach().cpu().float().contiguous().numpy().astype("<f4")
-        b = arr.tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    return len(h).to_bytes(8, "little") + h + b"".join(blobs)
-
-
-def fit_basis(projector: Projector, batches: Sequence[Sequence[tuple[Tensor, Tensor]]]) -> Basis:
-    """Fit (and set) a data-aware projector's basis from per-site exact gradients, one list per batch (a sequence:
-    the fit may go over it twice)."""
-    f = projector.fitter()
-    for _ in range(f.passes):
-        for per_site in batches:
-            f.update_all(per_site)
-        f.end_pass()
-    basis = f.finish()
-    projector.set_basis(basis)
-    return basis
+def back_project(projector: Projector, w) -> np.ndarray:
+    """Index-space directions w [K, dim] -> parameter-space directions [K, D_exact] with <w, P(g)> = <P^T w, g>,
+    by differentiating the projector. The identity for an exact projector."""
+    w = np.atleast_2d(np.asarray(w, dtype=np.float64))
+    if projector.exact:
+        return w.copy()
+    outs, a = [], 0
+    sites = projector.sites
+    wt = torch.as_tensor(w, dtype=torch.float32)
+    for i, (s, dim) in enumerate(zip(sites, projector.site_dims())):
+        if dim == 0:  # a site the data-aware fit gave no width: nothing of it is in the index
+            outs.append(np.zeros((w.shape[0], s.r * (s.d_in + s.d_out))))
+            continue
+        dA = torch.zeros(w.shape[0], s.r, s.d_in, requires_grad=True)
+        dB = torch.zeros(w.shape[0], s.d_out, s.r, requires_grad=True)
+        with torch.enable_grad():
+            z = projector.project(i, dA, dB)
+            ga, gb = torch.autograd.grad((z * wt[:, a : a + dim]).sum(), (dA, dB))
+        outs.append(torch.cat([ga.flatten(1), gb.flatten(1)], 1).double().numpy())
+        a += dim
+    return np.concatenate(outs, 1)

@@ -1,45 +1,16 @@
-"""report.json (schema gradian.report/1), scores.npy and the terminal table."""
+"""report.json (schema gradian.report/1) and scores.npy: the report's pieces that are not the page or the terminal."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
+
+from ..io import atomic_save_npy, atomic_write_text
 
 SCHEMA = "gradian.report/1"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def preview(text: str, n: int = 160) -> str:
@@ -64,10 +35,8 @@ def write_report(out_dir: Path, report: dict[str, Any], scores: np.ndarray | Non
         atomic_save_npy(out_dir / "scores.npy", scores.astype(np.float32))
     path = out_dir / "report.json"
     atomic_write_text(path, json.dumps(report, indent=2, ensure_ascii=False, default=_json_default))
-    try:
-        from .html_report import write_html
-    except ImportError:
-        return path
+    from .html import write_html
+
     write_html(report, out_dir / "report.html")
     return path
 
@@ -82,38 +51,29 @@ def _json_default(o):
     raise TypeError(type(o).__name__)
 
 
-def print_summary(report: dict, console: Console | None = None, rows: int = 10) -> None:
-    console = console or Console()
-    cap = report.get("capability") or {}
-    if cap:
-        lo, hi = cap["ci"]
-        console.print(
-            f"[bold]capability[/bold] {cap['metric']}: base {cap['base']:.3f} -> tuned {cap['tuned']:.3f}, "
-            f"delta {cap['delta']:+.3f} ({int(cap['confidence'] * 100)}% CI [{lo:+.3f}, {hi:+.3f}], n={cap['n']})"
-        )
-    style = {"attributed": "green", "declined": "yellow", "smoke_test": "magenta"}.get(report["verdict"], "white")
-    console.print(f"[bold {style}]verdict: {report['verdict']}[/] — {report.get('verdict_text', '')}")
-    for f in report.get("flags", []):
-        console.print(f"  [{'red' if f['level'] == 'error' else 'yellow' if f['level'] == 'warning' else 'dim'}]"
-                      f"{f['level']}[/] {f['id']}: {f['message']}")
-    ranking = report.get("ranking") or []
-    if ranking:
-        planted = set((report.get("truth") or {}).get("planted", []))
-        t = Table(title="training rows that pushed the model toward the failure", show_lines=False)
-        for col in ("rank", "position", "score", "base loss", "tuned loss", "preview"):
-            t.add_column(col, justify="right" if col not in ("preview",) else "left", overflow="fold")
-        for r in ranking[:rows]:
-            mark = " [red]*planted*[/]" if r["position"] in planted else ""
-            t.add_row(str(r["rank"]), str(r["position"]), f"{r['score']:.4g}",
-                      _fmt(r.get("base_loss")), _fmt(r.get("tuned_loss")), _escape(r["preview"][:90]) + mark)
-        console.print(t)
+def capability_json(cap, eval_items) -> dict:
+    """capability.json and report.json `capability`: the summary and, per eval item, both answers and scores."""
+    d = cap.summary()
+    d["items"] = [
+        {"item": it.position, "prompt": it.question_text(), "expected": it.answer, "base_generated": bg,
+         "generated": tg, "base_score": bsc, "tuned_score": tsc}
+        for it, bg, tg, bsc, tsc in zip(eval_items or [], cap.base_generated, cap.tuned_generated, cap.base_scores,
+                                        cap.tuned_scores)
+    ]
+    return d
 
 
-def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
-
-
-def _escape(s: str) -> str:
-    from rich.markup import escape
-
-    return escape(s)
+def verdict_text(verdict: str, cap, n_items: int, direction: str) -> str:
+    if verdict == "smoke_test":
+        return ("No eval set, so there is no capability to attribute: the ranking shows the rows with the largest "
+                "gradients (outliers), not causes.")
+    assert cap is not None
+    lo, hi = cap.ci
+    if verdict == "declined":
+        return (f"The fine-tune did not move {cap.metric} measurably: delta {cap.delta:+.3f} with a "
+                f"{int(cap.confidence * 100)}% interval [{lo:+.3f}, {hi:+.3f}] that includes zero (the smallest delta "
+                f"{cap.n} items can detect is about {cap.min_detectable_delta:.2f}). No training rows are accused.")
+    moved = "fell" if cap.delta < 0 else "rose"
+    return (f"{cap.metric} {moved} from {cap.base:.2f} to {cap.tuned:.2f} (delta {cap.delta:+.3f}, "
+            f"{int(cap.confidence * 100)}% interval [{lo:+.3f}, {hi:+.3f}]). The rows below are ranked by how much "
+            f"training on them pushed the model toward the {n_items} {direction} item(s).")

@@ -1,4 +1,9 @@
-"""Building (or reusing) the gradient index: cache key, capture loop, shards on disk."""
+"""Building (or reusing) the gradient index: its cache key, the data-aware basis, the capture loop into shards.
+
+No maths here: the gradients come from `grads.capture`, the storage is `store.index`; this module decides which
+rows are missing, in which batches they are captured (by length, then position: the same bits every run), and
+seals what it wrote.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,18 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
 
-from .capture import GradientCapture, site_shapes
-from .config import Config
-from .data import Tokenized, collate
+
+from ..config import Config
+from ..grads.capture import GradientCapture
+from ..grads.layout import site_shapes
+from ..io import dir_fingerprint, sha256_file
+from ..progress import progress_bar
+from ..projection import BASIS_FILE, Projector
+from ..setup.batches import batches, length_order
+from ..setup.model import LoraSite
+from ..setup.tokenize import Tokenized
 from .index import GradientIndex
-from .modeling import LoraSite, dir_fingerprint
-from .progress import progress_bar
-from .projection import BASIS_FILE, Projector
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +84,7 @@ def basis_sample(toks: Sequence[Tokenized], n: int, seed: int) -> list[int]:
     if len(cand) > n:
         pick = np.random.default_rng([int(seed), 0x62617369]).choice(len(cand), size=n, replace=False)
         cand = [cand[j] for j in sorted(pick.tolist())]
-    return sorted(cand, key=lambda i: (len(toks[i].input_ids), i))
+    return length_order(toks, cand)
 
 
 def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], root: Path, pad_id: int):
@@ -100,18 +108,15 @@ def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized
             raise ValueError("a data-aware projection needs training rows with supervised tokens to fit on")
         device = next(capture.model.parameters()).device
         fitter = proj.fitter()
-        bs = cfg.grads.batch_size
         with progress_bar("fit projection", total=fitter.passes * len(positions)) as bar:
             for _ in range(fitter.passes):  # the same batches each pass: wide-side directions, then site PCA
-                for s in range(0, len(positions), bs):
-                    batch = positions[s : s + bs]
-                    ids, attn, sup = collate([toks[i] for i in batch], pad_id)
-                    per_site, _ = capture.site_grads(ids.to(device), attn.to(device), sup.to(device))
+                for batch, ids, attn, sup in batches(toks, positions, cfg.grads.batch_size, pad_id, device):
+                    per_site, _ = capture.site_grads(ids, attn, sup)
                     fitter.update_all(per_site)
                     bar.advance(len(batch))
                 fitter.end_pass()
         proj.set_basis(fitter.finish())
-    elif proj.basis_sha256 and path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == proj.basis_sha256:
+    elif proj.basis_sha256 and path.exists() and sha256_file(path) == proj.basis_sha256:
         return proj.basis_sha256
     return proj.save_basis(path)
 
@@ -143,13 +148,11 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
             seen.add(row_keys[i])
             todo.append(i)
     # Stable order (by length, then position) keeps batches, and so the bits, the same on every run.
-    todo.sort(key=lambda i: (len(toks[i].input_ids), i))
+    todo = length_order(toks, todo)
     device = next(capture.model.parameters()).device
     with progress_bar("index", total=len(todo)) as bar:
-        for s in range(0, len(todo), bs):
-            batch = todo[s : s + bs]
-            ids, attn, sup = collate([toks[i] for i in batch], pad_id)
-            vecs, _ = capture.vectors(ids.to(device), attn.to(device), sup.to(device))
+        for batch, ids, attn, sup in batches(toks, todo, bs, pad_id, device):
+            vecs, _ = capture.vectors(ids, attn, sup)
             index.add([row_keys[i] for i in batch], vecs.detach().cpu().numpy().astype(np.float32))
             bar.advance(len(batch))
     index.flush()
@@ -157,3 +160,41 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
                      reused=len(toks) - len(missing), built=len(todo), bytes=index.nbytes,
                      projection=capture.projector.describe(), seconds=time.time() - t0)
     return index, row_keys, info
+
+
+@dataclass
+class OpenIndex:
+    """An index open for scoring: the capture that wrote it (its projector), the rows of the training set in order
+    (`row_keys`, one per row: copies share a key) and what was built."""
+
+    capture: GradientCapture
+    index: GradientIndex
+    row_keys: list[str]
+    info: IndexInfo
+
+    @property
+    def rows(self):
+        from .rows import RowSource
+
+        return RowSource(index=self.index, row_keys=self.row_keys)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tokenized], adapter_path: str,
+               pad_id: int) -> OpenIndex:
+    """Build (the rows it lacks) or reuse the gradient index of this adapter's training set, open for scoring."""
+    proj = make_projector(cfg, sites)
+    capture = GradientCapture(model, sites, proj, chunk=cfg.grads.loss_chunk_tokens)
+    key = cache_key(cfg, sites, proj, adapter_path)
+    meta = {
+        "base": cfg.model.base, "adapter": adapter_path,
+        "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+        "adapter_fingerprint": dir_fingerprint(adapter_path),
+        "sites": [{"name": x.name, "r": x.r, "d_in": x.d_in, "d_out": x.d_out} for x in sites],
+        "block_dims": proj.site_dims(), "projection": proj.describe(),
+        "grads": cfg.grads.model_dump(mode="json"),
+    }
+    index, row_keys, info = build_index(cfg, capture, toks, key=key, pad_id=pad_id, meta=meta)
+    return OpenIndex(capture, index, row_keys, info)

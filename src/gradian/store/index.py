@@ -22,36 +22,23 @@ Not thread-safe: one `GradientIndex` object per thread, one process per index (t
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import json
 import logging
-import os
-import re
-import socket
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .errors import IndexError_
+from ..errors import IndexError_
+from ..io import atomic_write, fsync_dir, sha256_file
+from .encoding import DISK_DTYPE, NORMS_DTYPE, STORAGE_DTYPES, as_float32, decode, encode
+from .lock import LOCK_FILE, IndexLocked, Lock
+from .manifest import MANIFEST, NORMS_RE, SCHEMA, SHARD_RE, validate_manifest
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "gradian.index/1"
-MANIFEST = "manifest.json"
-LOCK_FILE = ".lock"
 TMP_PREFIX = ".tmp-"
-STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 ON_MISMATCH = ("rebuild", "refuse")
-
-_SHARD_RE = re.compile(r"shard-(\d{5,})\.npy")
-_NORMS_RE = re.compile(r"shard-(\d{5,})\.norms\.npy")
-# Explicit little-endian so an index written on one machine reads the same on any other.
-_DISK_DTYPE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-_NORMS_DTYPE = np.dtype("<f4")
 
 
 class IndexMismatch(IndexError_):
@@ -64,15 +51,6 @@ class IndexMismatch(IndexError_):
         self.reason = reason
 
 
-class IndexLocked(IndexError_):
-    """Another process kept the index open for longer than the lock timeout."""
-
-    def __init__(self, message: str, *, lock_path: Path, holder_pid: Optional[int]):
-        super().__init__(message)
-        self.lock_path = Path(lock_path)
-        self.holder_pid = holder_pid
-
-
 class _Problem:
     __slots__ = ("path", "reason", "detail")
 
@@ -83,219 +61,15 @@ class _Problem:
         return f"{self.path}: {self.reason} ({self.detail})"
 
 
-# ----------------------------------------------------------------------------------------------- encoding
+def _atomic_write(directory: Path, name: str, write) -> tuple[str, int]:
+    """Write `directory/name` under a `TMP_PREFIX` temporary name (what `open` removes as a killed writer's debris)."""
+    import os
 
-
-def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16 bits, the same rounding `torch.Tensor.to(torch.bfloat16)` does
-    (a test checks bit equality). Done in numpy so writing an index never needs to import torch. Inputs are
-    finite (checked in `add`), so the NaN branch torch has is not needed."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    return (rounded >> np.uint32(16)).astype(_DISK_DTYPE["bfloat16"])
-
-
-def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    # bfloat16 is the top half of a float32, so widening is exact.
-    return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def _encode(vectors: np.ndarray, storage_dtype: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """float32 rows -> (data, norms). Half types store unit vectors plus an fp32 norm: LoRA gradients of ~1e-6
-    are float16 subnormals (4 bits of mantissa or none), while unit entries sit well inside its normal range."""
-    if storage_dtype == "float32":
-        return np.ascontiguousarray(vectors, dtype=_DISK_DTYPE["float32"]), None
-    v = vectors.astype(np.float64)
-    norms = np.sqrt(np.einsum("ij,ij->i", v, v))
-    unit = (v / np.where(norms > 0, norms, 1.0)[:, None]).astype(np.float32)
-    if storage_dtype == "float16":
-        data = unit.astype(_DISK_DTYPE["float16"])
-    else:
-        data = _f32_to_bf16_bits(unit)
-    return np.ascontiguousarray(data), norms.astype(_NORMS_DTYPE)
-
-
-def _decode(data: np.ndarray, norms: Optional[np.ndarray], storage_dtype: str) -> np.ndarray:
-    if storage_dtype == "float32":
-        return np.asarray(data, dtype=np.float32)  # a memory-mapped slice stays a view: no copy
-    unit = data.astype(np.float32) if storage_dtype == "float16" else _bf16_bits_to_f32(data)
-    unit *= np.asarray(norms, dtype=np.float32)[:, None]
-    return unit
-
-
-# ------------------------------------------------------------------------------------------ file helpers
-
-
-class _HashingWriter:
-    """File-like sink for `np.lib.format.write_array` that hashes what it writes, so a shard is read once."""
-
-    def __init__(self, f):
-        self._f = f
-        self.sha = hashlib.sha256()
-        self.nbytes = 0
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        self.nbytes += len(b)
-        return self._f.write(b)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable across power loss; some filesystems refuse, which only weakens that.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(directory: Path, name: str, write: Callable[[Any], None]) -> tuple[str, int]:
-    """Write `directory/name` so that it either does not change or is complete; returns (sha256, bytes)."""
-    tmp = directory / f"{TMP_PREFIX}{name}.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            sink = _HashingWriter(f)
-            write(sink)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
-    return sink.sha.hexdigest(), sink.nbytes
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return atomic_write(directory / name, write, tmp_name=f"{TMP_PREFIX}{name}.{os.getpid()}")
 
 
 def _short(s: str, n: int = 80) -> str:
     return repr(s) if len(s) <= n else repr(s[: n - 3] + "...")
-
-
-# ------------------------------------------------------------------------------------------------ locking
-
-
-class _Lock:
-    """Exclusive `flock` on root/.lock. The kernel drops it when the holder dies, so a killed build never leaves
-    a stale lock behind; the pid inside the file is only there to name the holder in the timeout message."""
-
-    def __init__(self, path: Path, timeout: float):
-        self.path = path
-        self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + max(0.0, timeout)
-        delay = 0.01
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    os.close(self._fd)
-                    self._fd = None
-                    raise
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                holder = self._holder()
-                os.close(self._fd)
-                self._fd = None
-                who = f"pid {holder[0]} on {holder[1]}" if holder else "a process whose pid was not recorded"
-                raise IndexLocked(
-                    f"gradient index lock {path} is held by {who}; gave up after waiting {timeout:g} s. Another "
-                    "build of this index is running: wait for it to finish, or point this run at another "
-                    "index directory.",
-                    lock_path=path,
-                    holder_pid=holder[0] if holder else None,
-                )
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 0.25)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-
-    def _holder(self) -> Optional[tuple[int, str]]:
-        try:
-            parts = self.path.read_text().split()
-            return int(parts[0]), (parts[1] if len(parts) > 1 else "?")
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def __del__(self) -> None:
-        # An index dropped without close() must not hold the lock for the rest of the process.
-        try:
-            self.release()
-        except Exception:
-            pass
-
-    def release(self) -> None:
-        if getattr(self, "_fd", None) is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self._fd)
-            self._fd = None
-
-
-# ----------------------------------------------------------------------------------------------- manifest
-
-
-def _validate_manifest(m: dict) -> None:
-    """Structural check of a manifest whose schema matched; raises ValueError saying what is wrong. File names
-    must match the shard patterns exactly, so a hostile manifest cannot make `open` touch files elsewhere."""
-
-    def need(obj: dict, field: str, kind, where: str):
-        v = obj.get(field)
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise ValueError(f"{where}{field} is missing or not a {getattr(kind, '__name__', kind)}")
-        return v
-
-    need(m, "key", str, "")
-    if need(m, "dim", int, "") <= 0:
-        raise ValueError("dim must be positive")
-    dtype = need(m, "storage_dtype", str, "")
-    if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage_dtype {dtype!r} is not one of {STORAGE_DTYPES}")
-    need(m, "meta", dict, "")
-    seen: set[str] = set()
-    for i, s in enumerate(need(m, "shards", list, "")):
-        w = f"shards[{i}]."
-        if not isinstance(s, dict):
-            raise ValueError(f"shards[{i}] is not an object")
-        name = need(s, "file", str, w)
-        match = _SHARD_RE.fullmatch(name)
-        if not match or name in seen:
-            raise ValueError(f"{w}file {name!r} is not a shard file name or is listed twice")
-        seen.add(name)
-        rows = need(s, "rows", int, w)
-        need(s, "bytes", int, w)
-        if rows <= 0 or not re.fullmatch(r"[0-9a-f]{64}", need(s, "sha256", str, w)):
-            raise ValueError(f"{w}rows or sha256 is invalid")
-        keys = need(s, "keys", list, w)
-        if len(keys) != rows or not all(isinstance(k, str) for k in keys):
-            raise ValueError(f"{w}keys must be {rows} strings")
-        norms = s.get("norms")
-        if (norms is None) != (dtype == "float32"):
-            raise ValueError(f"{w}norms must be present exactly when storage_dtype is a half type")
-        if norms is not None:
-            if not isinstance(norms, dict):
-                raise ValueError(f"{w}norms is not an object")
-            nmatch = _NORMS_RE.fullmatch(need(norms, "file", str, w + "norms."))
-            if not nmatch or nmatch.group(1) != match.group(1):
-                raise ValueError(f"{w}norms.file does not belong to {name}")
-            need(norms, "bytes", int, w + "norms.")
-            if not re.fullmatch(r"[0-9a-f]{64}", need(norms, "sha256", str, w + "norms.")):
-                raise ValueError(f"{w}norms.sha256 is invalid")
 
 
 # ---------------------------------------------------------------------------------------------- the index
@@ -363,7 +137,7 @@ class GradientIndex:
         self._pend_keys: list[str] = []
         self._pend_vecs: list[np.ndarray] = []
         self._pend_set: set[str] = set()
-        self._lock: Optional[_Lock] = _Lock(root / LOCK_FILE, lock_timeout)
+        self._lock: Optional[Lock] = Lock(root / LOCK_FILE, lock_timeout)
         try:
             self._load(on_mismatch, verify, meta)
         except BaseException:
@@ -374,7 +148,7 @@ class GradientIndex:
 
     def _our_files(self) -> list[Path]:
         return sorted(
-            p for p in self._root.iterdir() if _SHARD_RE.fullmatch(p.name) or _NORMS_RE.fullmatch(p.name)
+            p for p in self._root.iterdir() if SHARD_RE.fullmatch(p.name) or NORMS_RE.fullmatch(p.name)
         )
 
     def _read_manifest(self) -> tuple[Optional[dict], Optional[_Problem], bytes]:
@@ -393,7 +167,7 @@ class GradientIndex:
             schema = m.get("schema") if isinstance(m, dict) else None
             return None, _Problem(path, "foreign", f"schema is {schema!r}, expected {SCHEMA!r}"), raw
         try:
-            _validate_manifest(m)
+            validate_manifest(m)
         except ValueError as e:
             return None, _Problem(path, "unreadable", str(e)), raw
         diffs = [
@@ -418,14 +192,14 @@ class GradientIndex:
         for p in [self._root / MANIFEST, *self._our_files()]:
             if p.exists():
                 os.replace(p, dest / p.name)
-        _fsync_dir(self._root)
+        fsync_dir(self._root)
         return dest
 
     def _check_shard(self, entry: dict, verify: bool) -> Optional[_Problem]:
-        files = [(entry["file"], entry["bytes"], entry["sha256"], (entry["rows"], self._dim), _DISK_DTYPE[self._dtype])]
+        files = [(entry["file"], entry["bytes"], entry["sha256"], (entry["rows"], self._dim), DISK_DTYPE[self._dtype])]
         if entry["norms"] is not None:
             n = entry["norms"]
-            files.append((n["file"], n["bytes"], n["sha256"], (entry["rows"],), _NORMS_DTYPE))
+            files.append((n["file"], n["bytes"], n["sha256"], (entry["rows"],), NORMS_DTYPE))
         for name, nbytes, sha, shape, dtype in files:
             path = self._root / name
             try:
@@ -437,7 +211,7 @@ class GradientIndex:
             if size > nbytes:
                 return _Problem(path, "corrupt", f"{size} bytes, the manifest says {nbytes}")
             if verify:
-                actual = _sha256_file(path)
+                actual = sha256_file(path)
                 if actual != sha:
                     detail = f"sha256 {actual[:16]}... does not match the manifest's {sha[:16]}..."
                     return _Problem(path, "corrupt", detail)
@@ -509,7 +283,7 @@ class GradientIndex:
         self._shards = []
         for entry in keep:
             self._append_shard(entry)
-        numbers = [int(_SHARD_RE.fullmatch(s["file"]).group(1)) for s in manifest["shards"]]
+        numbers = [int(SHARD_RE.fullmatch(s["file"]).group(1)) for s in manifest["shards"]]
         self._next_shard = max(numbers, default=-1) + 1  # never reuse a number the manifest still names
         stored_meta = manifest["meta"]
         if meta is None:
@@ -607,7 +381,7 @@ class GradientIndex:
         """Buffer rows (numpy array or torch tensor, shape (len(row_keys), dim)); every `shard_rows` buffered
         rows become a shard. Keys already held are skipped (first write wins): a content hash names one row."""
         self._check_open()
-        arr = _as_float32(vectors)
+        arr = as_float32(vectors)
         if arr.shape != (len(row_keys), self._dim):
             raise ValueError(f"add: got vectors of shape {arr.shape} for {len(row_keys)} keys of width {self._dim}")
         take: list[int] = []
@@ -643,7 +417,7 @@ class GradientIndex:
     def _write_shard(self, keys: list[str], vecs: np.ndarray) -> None:
         number = self._next_shard
         name = f"shard-{number:05d}.npy"
-        data, norms = _encode(vecs, self._dtype)
+        data, norms = encode(vecs, self._dtype)
         sha, nbytes = _atomic_write(self._root, name, lambda f: np.lib.format.write_array(f, data, allow_pickle=False))
         entry: dict[str, Any] = {"file": name, "rows": len(keys), "bytes": nbytes, "sha256": sha, "norms": None}
         if norms is not None:
@@ -734,7 +508,7 @@ class GradientIndex:
             sel = l_sorted[a:b]
             if sel[-1] - sel[0] == len(sel) - 1:  # sorted, so this is a contiguous run (or has repeats: no)
                 sel = slice(int(sel[0]), int(sel[-1]) + 1)
-            out[order[a:b]] = _decode(data[sel], norms[sel] if norms is not None else None, self._dtype)
+            out[order[a:b]] = decode(data[sel], norms[sel] if norms is not None else None, self._dtype)
         return out
 
     def _blocks(self, row_keys: Sequence[str], block_rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -762,7 +536,7 @@ class GradientIndex:
             self.flush()
         for s, entry in enumerate(list(self._shards)):
             data, norms = self._open_shard(s, {})
-            yield list(entry["keys"]), _decode(data, norms, self._dtype)
+            yield list(entry["keys"]), decode(data, norms, self._dtype)
 
     def score(self, queries, row_keys: Sequence[str], *, block_rows: int = 4096) -> np.ndarray:
         """float32 (Q, len(row_keys)) = queries @ rows(row_keys).T, holding at most `block_rows` rows at a time.
@@ -775,51 +549,11 @@ class GradientIndex:
             out[:, a:b] = q @ block.T
         return out[0] if squeeze else out
 
-    def topk(
-        self, queries, row_keys: Sequence[str], k: int, *, block_rows: int = 4096
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(indices into row_keys, scores), each (Q, min(k, n)), best first; the scores are `score()`'s and ties
-        go to the lower index, exactly as `argsort(-scores, kind="stable")[:, :k]`. Streams like `score`,
-        keeping only the running top k per query."""
-        q, squeeze = self._queries(queries)
-        nq = q.shape[0]
-        k = max(0, min(int(k), len(row_keys)))
-        best_s = np.empty((nq, 0), dtype=np.float32)
-        best_i = np.empty((nq, 0), dtype=np.int64)
-        if k:
-            for a, b, block in self._blocks(row_keys, block_rows):
-                cand_s = np.concatenate([best_s, q @ block.T], axis=1)
-                cand_i = np.concatenate([best_i, np.broadcast_to(np.arange(a, b), (nq, b - a))], axis=1)
-                best_s, best_i = _keep_top(cand_s, cand_i, k)
-        order = np.lexsort((best_i, -best_s), axis=-1)
-        best_i = np.take_along_axis(best_i, order, axis=1)
-        best_s = np.take_along_axis(best_s, order, axis=1)
-        return (best_i[0], best_s[0]) if squeeze else (best_i, best_s)
-
     def _queries(self, queries) -> tuple[np.ndarray, bool]:
-        q = _as_float32(queries)
+        q = as_float32(queries)
         squeeze = q.ndim == 1
         if squeeze:
             q = q[None, :]
         if q.ndim != 2 or q.shape[1] != self._dim:
             raise ValueError(f"queries must have shape (Q, {self._dim}) or ({self._dim},), got {q.shape}")
         return np.ascontiguousarray(q), squeeze
-
-
-def _keep_top(scores: np.ndarray, idx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the k best (score desc, index asc) candidates, unordered. Exact under ties, which are common:
-    rows with no supervised tokens all score 0."""
-    m = scores.shape[1]
-    if m <= k:
-        return scores, idx
-    kth = -np.partition(-scores, k - 1, axis=1)[:, k - 1 : k]
-    # Everything above the k-th value is in (fewer than k of them); among those equal to it, the lowest indices.
-    rank = np.where(scores > kth, -1, np.where(scores == kth, idx, np.iinfo(np.int64).max))
-    pick = np.argpartition(rank, k - 1, axis=1)[:, :k]
-    return np.take_along_axis(scores, pick, axis=1), np.take_along_axis(idx, pick, axis=1)
-
-
-def _as_float32(x) -> np.ndarray:
-    if hasattr(x, "detach"):  # a torch tensor; checked by duck type so this module never imports torch
-        x = x.detach().cpu().float().numpy()
-    return np.asarray(x, dtype=np.float32)

@@ -7,7 +7,6 @@ of examples by zero-weighting them in place, so every other example keeps its ba
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -18,15 +17,18 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from .config import Config
-from .data import collate, dataset_fingerprint, load_train, tokenize_example
-from .errors import ConfigError, DataError, ModelError
-from .loss import per_example_loss
-from .modeling import dir_fingerprint, load_base, load_tokenizer
-from .progress import progress_bar
-from .runtime import seed_everything
+from ..config import Config
+from ..errors import ConfigError, ModelError
+from ..grads.objectives import per_example_loss
+from ..io import atomic_dir, dir_fingerprint
+from ..progress import progress_bar
+from ..runtime import seed_everything
+from ..setup.batches import collate
+from ..setup.model import load_base, load_tokenizer
+from ..setup.records import dataset_fingerprint, load_train
+from ..setup.tokenize import tokenize_example
+from .recipe import RECIPE_FILE, Recipe
 
-RECIPE_FILE = "gradian_recipe.json"
 # Earlier epochs' adapters inside a `gradian train` output (attribution.checkpoints: auto reads them).
 CHECKPOINTS_SUBDIR = "checkpoints"
 
@@ -41,7 +43,7 @@ def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[lis
 
 
 def train_adapter(
-    cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[dict] = None,
+    cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
     progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
     save_checkpoints: Optional[bool] = None,
 ) -> Path:
@@ -57,16 +59,16 @@ def train_adapter(
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
-    hp = dict(recipe["hyperparameters"]) if recipe else cfg.train.model_dump(exclude={"output"})
-    seed = int(recipe["seed"]) if recipe else cfg.seed
+    hp = recipe.hp if recipe else cfg.train.model_dump(exclude={"output"})
+    seed = int(recipe.seed) if recipe else cfg.seed
     seed_everything(seed)
     tok = load_tokenizer(cfg)
     examples = load_train(cfg.path(cfg.data.train))
     fp = dataset_fingerprint(examples)
-    if recipe and recipe.get("dataset_fingerprint") not in (None, fp):
+    if recipe and recipe.dataset_fingerprint not in (None, fp):
         raise ModelError(
             f"{cfg.data.train}: the training set differs from the one the recipe was recorded on "
-            f"(fingerprint {fp} vs {recipe['dataset_fingerprint']}); verify needs the original data"
+            f"(fingerprint {fp} vs {recipe.dataset_fingerprint}); verify needs the original data"
         )
     toks = [tokenize_example(tok, e, hp["max_seq_length"]) for e in examples]
     excluded = set(int(p) for p in exclude)
@@ -102,8 +104,8 @@ def train_adapter(
 
     base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
 
-    def record(epochs: int) -> dict:
-        return {
+    def record(epochs: int) -> Recipe:
+        return Recipe.model_validate({
             "schema": "gradian.recipe/1",
             "backend": "hf",
             "seed": seed,
@@ -118,7 +120,7 @@ def train_adapter(
             "base": cfg.model.base,
             "base_fingerprint": base_fp,
             "train_seconds": round(time.time() - t0, 2),
-        }
+        })
 
     with progress_bar("train", total=n_steps if progress else 0, unit="steps") as bar:
         for e_no, epoch in enumerate(order, start=1):
@@ -156,34 +158,12 @@ def train_adapter(
     return out_dir
 
 
-def save_adapter(model, out_dir: Path, recipe: dict, *, checkpoints: Optional[Path] = None) -> Path:
+def save_adapter(model, out_dir: Path, recipe: Recipe, *, checkpoints: Optional[Path] = None) -> Path:
     """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written); the
     folder `checkpoints`, when given, is moved inside it as `CHECKPOINTS_SUBDIR`."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
-        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2))
+        (tmp / RECIPE_FILE).write_text(recipe.to_json())
         if checkpoints is not None and Path(checkpoints).is_dir():
             os.replace(checkpoints, tmp / CHECKPOINTS_SUBDIR)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def read_recipe(adapter_dir: str | Path) -> Optional[dict]:
-    p = Path(adapter_dir) / RECIPE_FILE
-    if not p.exists():
-        return None
-    try:
-        rec = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{p}: unreadable recipe ({e}); delete it or fix the JSON") from None
-    if not isinstance(rec, dict):
-        raise DataError(f"{p}: a recipe must be a JSON object")
-    return rec
+    return Path(out_dir)

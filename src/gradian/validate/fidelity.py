@@ -18,7 +18,7 @@ sign and scale is ``a_q = s * (L_q(reference) - L_q(retrain)) / |grad L_q|``: po
 the failure's loss (they were harmful), with ``s = -1`` when the report attributes an improvement (its scores rank the
 rows that helped). A row's LOO actual change is the mean of ``a_q`` over the items, like its score.
 
-Preconditioners: scores are recomputed with `api.score_items` (the per-item inner products, without the
+Preconditioners: scores are recomputed with `attribution.engine.score_items` (the per-item inner products, without the
 best-window ranking of long rows) for ``attribution.preconditioner`` or each one given with ``--preconditioner``;
 the retrains do not depend on it, so several are compared on the same retrains. (With a preconditioner, items are
 still weighted by 1 / |grad L_q| in the LOO mean; LDS is per item, so no weighting enters it.)
@@ -41,14 +41,19 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .config import Config
-from .report import atomic_write_text
-from .verify import VerifyError, adapters_equal, load_recipe, read_report, retrain
+from ..attribution.queries import QueryItem, query_losses as _query_losses
+from ..attribution.scoring import direction_sign, rank
+from ..config import Config
+from ..errors import VerifyError
+from ..io import atomic_write_text
+from ..training.recipe import load_recipe
+from .retrain import adapters_equal, retrain
+from .verify import read_report
 
 SCHEMA = "gradian.fidelity/1"
 
 
-def _corr(x: Sequence[float], y: Sequence[float]) -> dict:
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict:
     from scipy.stats import pearsonr, spearmanr
 
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -57,21 +62,8 @@ def _corr(x: Sequence[float], y: Sequence[float]) -> dict:
     return {"pearson": float(pearsonr(x, y)[0]), "spearman": float(spearmanr(x, y)[0]), "n": int(x.size)}
 
 
-def preconditioner_available(name: str) -> bool:
-    if name == "identity":
-        return True
-    try:
-        import importlib
-
-        importlib.import_module("gradian.precondition")
-        return True
-    except ImportError:
-        return False
-
-
-def _query_items(report: dict):
-    from .query import QueryItem
-
+def report_queries(report: dict) -> tuple[list[QueryItem], str]:
+    """The failing items of a report as queries, and its direction."""
     q = report.get("query") or {}
     items = [QueryItem(int(it["item"]), it["prompt"], it["expected"], it["generated"], it.get("base_generated", ""),
                        it.get("formulation") or q.get("formulation", "contrastive")) for it in q.get("items") or []]
@@ -81,37 +73,26 @@ def _query_items(report: dict):
 
 
 def query_losses(model, s, qitems) -> np.ndarray:
-    """[Q] query loss of each failing item under `model`: the function `query.query_vectors` differentiates
-    (contrastive, classic or margin), through `query.query_losses`."""
-    from .query import query_losses as _losses
-
-    return _losses(model, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=s.cfg.grads.max_seq_length,
+    """[Q] query loss of each failing item under `model`: the function `queries.query_vectors` differentiates
+    (contrastive, classic or margin), through `queries.query_losses`."""
+    return _query_losses(model, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=s.cfg.grads.max_seq_length,
                    batch_size=s.cfg.grads.batch_size)
 
 
-def _scores_for(s, capture, idx, row_keys, qitems, direction: str, preconditioner: str) -> np.ndarray:
-    """Per-item scores [Q, N] with the given preconditioner, through the same code path as `attribute`."""
-    from .api import score_items
+def scores_with(s, ix, qitems, settings) -> np.ndarray:
+    """Per-item scores [Q, N] as `attribute` computes them (exact re-ranking, checkpoints), for `settings` (another
+    preconditioner, say), on the session's index `ix`."""
+    from ..attribution.checkpoints import over_checkpoints
+    from ..attribution.engine import ModelGradients, block_dims_of, score_items
 
-    saved = s.cfg
-    s.cfg = saved.model_copy(deep=True)
-    s.cfg.root = saved.root
-    s.cfg.attribution.preconditioner = preconditioner
-    try:
-        sc = score_items(s, capture, idx, row_keys, qitems, direction, details=True)
-        from .checkpoints import apply as over_checkpoints
-
-        over_checkpoints(s, sc, qitems, direction)  # attribution.checkpoints: the scores `attribute` reports
-        per_item = sc.per_item
-    finally:
-        s.cfg = saved
-    return np.asarray(per_item, dtype=np.float64)
+    sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
+                     block_dims=block_dims_of(ix.index))
+    over_checkpoints(s, sc, qitems, settings)  # attribution.checkpoints: the scores `attribute` reports
+    return np.asarray(sc.per_item, dtype=np.float64)
 
 
 def loo_rows(agg: np.ndarray, k: int, seed: int) -> list[tuple[int, str]]:
     """Top k, bottom k and k random others (seeded), without repeats."""
-    from .scoring import rank
-
     order = rank(agg.astype(np.float64))
     top = [int(p) for p in order[:k]]
     bottom = [int(p) for p in order[::-1] if int(p) not in top][:k]
@@ -134,7 +115,7 @@ def lds(per_item: np.ndarray, subsets: list[list[int]], actual: np.ndarray) -> d
         a, p = actual[:, q], pred[q]
         per_q.append(None if (np.all(a == a[0]) or np.all(p == p[0])) else float(spearmanr(p, a)[0]))
     vals = [v for v in per_q if v is not None]
-    agg = _corr(pred.mean(axis=0), actual.mean(axis=1))
+    agg = correlations(pred.mean(axis=0), actual.mean(axis=1))
     return {"lds": float(np.mean(vals)) if vals else None, "per_item": per_q, "aggregate_spearman": agg["spearman"]}
 
 
@@ -200,11 +181,14 @@ def truth_oracle(cfg: Config, items: list[int], subsets: list[list[int]], actual
 
 def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float = 0.05,
                  preconditioners: Optional[list[str]] = None, console=None) -> dict:
-    from . import api
-    from .modeling import load_model
-    from .progress import progress_bar
-    from .query import query_vectors
     from transformers.utils import logging as hf_logging
+
+    from ..attribution.engine import ModelGradients, ScoringSettings
+    from ..config import AttributionConfig
+    from ..pipeline import index_stage
+    from ..progress import progress_bar
+    from ..setup.model import load_model
+    from ..setup.session import open_session
 
     t_all = time.time()
     report = read_report(cfg, "check")
@@ -213,27 +197,23 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     precs = preconditioners or [cfg.attribution.preconditioner]
     import typing
 
-    from .config import AttributionConfig
-
     known = typing.get_args(AttributionConfig.model_fields["preconditioner"].annotation)
     for p in precs:
         if p not in known:
             raise VerifyError(f"--preconditioner {p}: unknown; one of {', '.join(known)}")
-        if not preconditioner_available(p):
-            raise VerifyError(f"--preconditioner {p}: this build has no gradian.precondition module; use identity")
     say = console.print if console is not None else (lambda *a, **kw: None)
 
-    s = api.open_session(cfg)
-    qitems, direction = _query_items(report)
-    sign = -1.0 if direction == "improvement" else 1.0
+    s = open_session(cfg)
+    qitems, direction = report_queries(report)
+    sign = direction_sign(direction)
     n = len(s.examples)
-    capture, idx, row_keys, _ = api.index(s)
+    ix = index_stage(s)
     try:
-        per_item = {p: _scores_for(s, capture, idx, row_keys, qitems, direction, p) for p in precs}
-        qv = query_vectors(capture, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=cfg.grads.max_seq_length,
-                           batch_size=cfg.grads.batch_size).numpy()
+        per_item = {p: scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction, preconditioner=p))
+                    for p in precs}
+        qv = ModelGradients.from_session(s, ix.capture).query_vectors(qitems)
     finally:
-        idx.close()
+        ix.close()
     qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
     l_user = query_losses(s.model, s, qitems)
     s.model = None  # free it: each retrain is loaded on its own
@@ -289,16 +269,12 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
         "query_grad_norms": [float(x) for x in qnorm],
         "reference_query_losses": [float(x) for x in ref],
     }
-    same = [p for p in precs[1:] if np.array_equal(per_item[p], per_item[primary])]
-    if same:
-        res["note"] = (f"preconditioner(s) {', '.join(same)} gave exactly the scores of {primary}: the scoring path "
-                       "(api.score_items) does not apply attribution.preconditioner yet")
     if rows:
         act = np.array([actual(f"loo-{p}").mean() for p, _ in rows])
         by = {}
         for p in precs:
             pred = np.array([agg[p][z] for z, _ in rows])
-            by[p] = _corr(pred, act)
+            by[p] = correlations(pred, act)
         res["loo"] = {
             "rows_per_group": loo, "n": len(rows), "pearson": by[primary]["pearson"],
             "spearman": by[primary]["spearman"], "by_preconditioner": by,
@@ -316,38 +292,7 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     res["timings"] = {"retrain": round(t_train, 2), "measure": round(t_meas, 2), "retrains": len(jobs),
                       "total": round(time.time() - t_all, 2)}
     atomic_write_text(cfg.output_dir / "fidelity.json", json.dumps(res, indent=2))
-    from .verify import _rewrite_html
+    from .verify import rewrite_html
 
-    _rewrite_html(cfg.output_dir)
+    rewrite_html(cfg.output_dir)
     return res
-
-
-def print_fidelity(res: dict, console) -> None:
-    from rich.table import Table
-
-    def f(x):
-        return "-" if x is None else f"{x:+.3f}"
-
-    t = Table(title=f"fidelity: predicted vs actual change on deterministic retrains ({res['n_items']} failing items)")
-    t.add_column("preconditioner")
-    t.add_column("LOO Pearson", justify="right")
-    t.add_column("LOO Spearman", justify="right")
-    t.add_column("LDS (Spearman, mean over items)", justify="right")
-    t.add_column("LDS of the items' mean", justify="right")
-    for p in res["preconditioners"]:
-        lo = (res.get("loo") or {}).get("by_preconditioner", {}).get(p, {})
-        ld = (res.get("lds") or {}).get("by_preconditioner", {}).get(p, {})
-        t.add_row(p, f(lo.get("pearson")), f(lo.get("spearman")), f(ld.get("lds")), f(ld.get("aggregate_spearman")))
-    console.print(t)
-    parts = []
-    if res.get("loo"):
-        parts.append(f"LOO on {res['loo']['n']} rows (top, bottom and random {res['loo']['rows_per_group']})")
-    if res.get("lds"):
-        parts.append(f"LDS over {res['lds']['subsets']} subsets of {res['lds']['subset_size']} rows removed"
-                     + (f" (a predictor that knows the planted rows scores {res['lds']['truth_oracle']:+.3f})"
-                        if res["lds"].get("truth_oracle") is not None else ""))
-    ref = res["reference"]
-    parts.append("the reference retrain reproduces the adapter bit for bit" if ref["reproduced_bit_for_bit"]
-                 else "the reference retrain differs from the adapter; actual changes are measured against it")
-    console.print("; ".join(parts) + f" ({res['timings']['retrains']} retrains, {res['timings']['total']:.0f}s)",
-                  style="dim")

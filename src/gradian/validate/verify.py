@@ -42,40 +42,20 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from .capability import METRICS, answer_logprobs, generate_answers, paired_bootstrap
-from .config import Config
-from .errors import GradianError
-from .report import atomic_write_text
+from ..capability.metrics import paired_bootstrap
+from ..config import Config
+from ..errors import VerifyError
+from ..io import atomic_write_text
+from ..training.recipe import load_recipe
+from .retrain import adapters_equal, measure_adapter, retrain
 
 SCHEMA = "gradian.verify/1"
-RECIPE_FILE = "gradian_recipe.json"
-RECIPE_REQUIRED = {
-    "seed": "integer seed of the data order and the LoRA initialisation",
-    "hyperparameters.learning_rate": "constant AdamW learning rate",
-    "hyperparameters.epochs": "number of passes over the data",
-    "hyperparameters.batch_size": "rows per optimizer step",
-    "hyperparameters.lora_r": "LoRA rank",
-    "hyperparameters.lora_alpha": "LoRA alpha",
-    "hyperparameters.target_modules": "list of module names the LoRA wraps, e.g. [q_proj, v_proj]",
-}
-# Optional fields and their defaults; a string default names the config key the value comes from.
-RECIPE_OPTIONAL = {
-    "hyperparameters.lora_dropout": 0.0,
-    "hyperparameters.weight_decay": 0.0,
-    "hyperparameters.max_seq_length": "train.max_seq_length",
-    "hyperparameters.max_grad_norm": "train.max_grad_norm",
-}
 RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_excludes_zero": True}
-
-
-class VerifyError(GradianError):
-    """verify/fidelity cannot run on this run directory (no report, no recipe, nothing attributed)."""
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -100,56 +80,6 @@ def read_report(cfg: Config, verb: str = "verify") -> dict:
     return report
 
 
-def _recipe_help(adapter: str) -> str:
-    req = "; ".join(f"{k} ({v})" for k, v in RECIPE_REQUIRED.items())
-    opt = ", ".join(f"{k} (default {v})" for k, v in RECIPE_OPTIONAL.items())
-    example = json.dumps({"seed": 0, "hyperparameters": {"learning_rate": 2e-4, "epochs": 3, "batch_size": 8, "lora_r": 16,
-                                                          "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}})
-    return (f"write {Path(adapter) / RECIPE_FILE} with the recipe it was trained with. Required: {req}. Optional: "
-            f"{opt}, dataset_fingerprint (refuses a different training file), base. Example: {example}. verify retrains "
-            "with gradian's own loop (AdamW, constant learning rate, token-weighted loss over assistant tokens); a "
-            "reference retrain with nothing dropped shows how close that comes to your adapter")
-
-
-def load_recipe(cfg: Config) -> tuple[dict, Path]:
-    """The recipe beside model.adapter, validated and completed with the optional fields' defaults."""
-    if not cfg.model.adapter:
-        raise VerifyError("model.adapter is not set: verify retrains a LoRA adapter and needs the one to check")
-    adapter = cfg.local_or_hub(cfg.model.adapter, "model.adapter")
-    path = Path(adapter) / RECIPE_FILE
-    if not Path(adapter).is_dir():
-        raise VerifyError(f"model.adapter '{adapter}' is not a local directory, so it has no {RECIPE_FILE}; download "
-                          f"it and {_recipe_help(adapter)}")
-    if not path.exists():
-        raise VerifyError(f"{path}: not found, so the recipe that trained model.adapter is unknown (an adapter trained "
-                          f"outside `gradian train`). To verify, {_recipe_help(adapter)}")
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot be read as JSON ({e})") from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("hyperparameters"), dict):
-        raise VerifyError(f"{path}: expected an object with 'seed' and 'hyperparameters'; {_recipe_help(adapter)}")
-    hp = dict(rec["hyperparameters"])
-    missing = [k for k in RECIPE_REQUIRED if (k == "seed" and "seed" not in rec)
-               or (k.startswith("hyperparameters.") and k.split(".", 1)[1] not in hp)]
-    if missing:
-        raise VerifyError(f"{path}: missing recipe field(s) {', '.join(missing)}; {_recipe_help(adapter)}")
-    for k, v in RECIPE_OPTIONAL.items():
-        if isinstance(v, str):  # the config's value
-            v = getattr(cfg.train, v.split(".", 1)[1], None)
-        hp.setdefault(k.split(".", 1)[1], v)
-    rec = {**rec, "hyperparameters": hp, "seed": int(rec["seed"])}
-    fp = rec.get("base_fingerprint")
-    if fp:
-        from .modeling import dir_fingerprint
-
-        now = dir_fingerprint(cfg.local_or_hub(cfg.model.base, "model.base"))
-        if now != fp:
-            raise VerifyError(f"{path}: the adapter was trained on a base with fingerprint {fp}, but model.base "
-                              f"'{cfg.model.base}' has {now}; retraining needs the same base")
-    return rec, path
-
-
 def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
     truth = _truth(cfg, report)
     if truth and truth.get("planted"):
@@ -172,7 +102,7 @@ def accused_positions(report: dict, scores: Optional[np.ndarray], k: int) -> lis
     """The top k rows in the order the report shows them (exact re-ranking included), then by scores.npy."""
     out = [int(r["position"]) for r in report.get("ranking", [])][:k]
     if len(out) < k and scores is not None:
-        from .scoring import rank
+        from ..attribution.scoring import rank
 
         seen = set(out)
         out += [int(p) for p in rank(scores) if int(p) not in seen][: k - len(out)]
@@ -186,79 +116,6 @@ def control_sets(n: int, k: int, accused: Sequence[int], n_controls: int, seed: 
         raise VerifyError(f"only {pool.size} rows are not accused; cannot draw a random control of {k}")
     return [sorted(np.random.default_rng([seed, 6, i]).choice(pool, size=k, replace=False).tolist())
             for i in range(n_controls)]
-
-
-# ------------------------------------------------------------------------------------------ retrain + measure
-
-
-def adapters_equal(a: Path, b: Path) -> bool:
-    """Every tensor of two saved adapters equal (torch.equal), same names and shapes."""
-    import torch
-    from safetensors.torch import load_file
-
-    fa, fb = Path(a) / "adapter_model.safetensors", Path(b) / "adapter_model.safetensors"
-    if not (fa.exists() and fb.exists()):
-        return False
-    ta, tb = load_file(str(fa)), load_file(str(fb))
-    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-
-
-@dataclass
-class EvalContext:
-    """What re-measuring the capability needs, loaded once."""
-
-    cfg: Config
-    tokenizer: object
-    items: list
-    chat: bool
-    n_rows: int
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, cfg: Config) -> "EvalContext":
-        from .data import load_eval, load_train, uses_chat
-        from .modeling import load_tokenizer
-
-        if not cfg.data.eval:
-            raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
-        examples = load_train(cfg.path(cfg.data.train))
-        return cls(cfg, load_tokenizer(cfg), load_eval(cfg.path(cfg.data.eval)), uses_chat(examples), len(examples))
-
-
-def item_scores(model, ctx: EvalContext) -> tuple[list[float], list[str]]:
-    """Per-item metric of one model, generated exactly as `measure_capability` generates the tuned answers."""
-    c, e = ctx.cfg, ctx.cfg.evaluation
-    gen = generate_answers(model, ctx.tokenizer, ctx.items, chat=ctx.chat, max_new_tokens=e.max_new_tokens,
-                           batch_size=e.batch_size, desc="retrained answers")
-    expected = [it.answer for it in ctx.items]
-    if e.metric == "loglik":
-        lp, n = answer_logprobs(model, ctx.tokenizer, ctx.items, expected, chat=ctx.chat, max_len=c.grads.max_seq_length,
-                                batch_size=e.batch_size)
-        return [float(x) for x in np.exp(lp / np.maximum(n, 1))], gen
-    fn = METRICS[e.metric]
-    return [float(fn(g, x)) for g, x in zip(gen, expected)], gen
-
-
-def retrain(cfg: Config, recipe: dict, exclude: Sequence[int], out_dir: Path, user_adapter: Path, *,
-            progress: bool = True) -> Path:
-    from .train import train_adapter
-
-    out_dir = Path(out_dir)
-    ua = Path(user_adapter).resolve()
-    od = out_dir.resolve()
-    if od == ua or ua in od.parents or od in ua.parents:
-        raise VerifyError(f"{out_dir}: refusing to retrain into or around the user's adapter {user_adapter}")
-    return train_adapter(cfg, exclude=list(exclude), out_dir=out_dir, recipe=recipe, progress=progress)
-
-
-def measure_adapter(cfg: Config, adapter: Path, ctx: EvalContext) -> tuple[list[float], list[str]]:
-    from .modeling import load_model
-
-    model = load_model(cfg, str(adapter))
-    try:
-        return item_scores(model, ctx)
-    finally:
-        del model
 
 
 # ------------------------------------------------------------------------------------------ arithmetic
@@ -351,20 +208,23 @@ def statement(res: dict) -> str:
 def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, keep_adapters: bool = False,
                reference: bool = True, console=None) -> dict:
     """Retrain without the accused and without random rows; writes OUT/verify.json and OUT/report.html."""
-    from .runtime import configure_threads, seed_everything
+    from ..runtime import configure_threads, seed_everything
+    from ..setup.session import open_session
 
     t_all = time.time()
     configure_threads(cfg.model.threads)
     report = read_report(cfg, "verify")
     recipe, recipe_path = load_recipe(cfg)
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
-    ctx = EvalContext.load(cfg)
-    n = ctx.n_rows
+    if not cfg.data.eval:
+        raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
+    ctx = open_session(cfg, load_model_=False)
+    n = len(ctx.examples)
     cap = report.get("capability") or {}
     items = cap.get("items") or []
-    if len(items) != len(ctx.items):
+    if len(items) != len(ctx.eval_items):
         raise VerifyError(f"{cfg.output_dir / 'report.json'}: it measured {len(items)} eval items but data.eval has "
-                          f"{len(ctx.items)}; rerun `gradian attribute CONFIG`")
+                          f"{len(ctx.eval_items)}; rerun `gradian attribute CONFIG`")
     base_s = [float(it["base_score"]) for it in items]
     tuned_s = [float(it["tuned_score"]) for it in items]
     scores_path = cfg.output_dir / "scores.npy"
@@ -465,7 +325,7 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
     if not keep_adapters:
         _remove_retrains(work, [name for name, _ in jobs])
     atomic_write_text(cfg.output_dir / "verify.json", json.dumps(res, indent=2))
-    _rewrite_html(cfg.output_dir)
+    rewrite_html(cfg.output_dir)
     return res
 
 
@@ -479,41 +339,8 @@ def _remove_retrains(work: Path, names: Sequence[str]) -> None:
         pass
 
 
-def _rewrite_html(run_dir: Path) -> Optional[Path]:
-    from .html_report import load_run, write_html
+def rewrite_html(run_dir: Path) -> Optional[Path]:
+    from ..report.html import load_run, write_html
 
     rep, ver, fid = load_run(run_dir)
     return write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
-
-
-def print_verify(res: dict, console) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"verify: retrained with the same recipe ({res['metric']}, base {res['base']:.3f}, "
-                    f"fine-tuned {res['tuned']:.3f})")
-    for col in ("retrained without", "capability", "reverted", "interval (reverted)", "difference vs fine-tune"):
-        t.add_column(col, justify="left" if col == "retrained without" else "right")
-
-    def pct(x):
-        return "-" if x is None else f"{x:.0%}"
-
-    def row(label, d):
-        lo, hi = d["ci"]
-        dlo, dhi = d["difference_ci"]
-        t.add_row(label, f"{d['capability']:.3f}", pct(d["reverted_fraction"]), f"[{pct(lo)}, {pct(hi)}]",
-                  f"{d['difference']:+.3f} [{dlo:+.3f}, {dhi:+.3f}]")
-
-    row(f"top {res['top_k']} accused", res["accused"])
-    for i, c in enumerate(res["controls"], start=1):
-        row(f"{res['top_k']} random (control {i})", c)
-    if res["control_mean_reverted"] is not None:
-        t.add_row("mean of controls", "", pct(res["control_mean_reverted"]), "", "")
-    console.print(t)
-    ref = res.get("reference")
-    if ref:
-        console.print(("reference retrain (nothing dropped) reproduces the adapter bit for bit"
-                       if ref["reproduced_bit_for_bit"] else
-                       f"reference retrain differs from the adapter ({res['metric']} {ref['capability']:.3f} vs "
-                       f"{res['original_tuned']:.3f}); comparisons use the reference"), style="dim")
-    style = {True: "bold green", False: "bold red", None: "bold yellow"}[res["confirmed"]]
-    console.print(res["statement"], style=style, highlight=False)
