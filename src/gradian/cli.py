@@ -1,4 +1,9 @@
-"""`gradian` command line: thin verbs over `gradian.api`. Errors are one paragraph and exit code 2."""
+"""`gradian` command line: thin verbs over `gradian.api`. Errors are one paragraph and exit code 2.
+
+Startup stays light (typer and rich only): torch, transformers, peft, numpy and the rest are imported inside the verb
+bodies, and the libraries' log silencing is applied there too (`_run`), so `gradian --help` answers in a fraction of
+a second. tests/test_startup.py holds this.
+"""
 
 from __future__ import annotations
 
@@ -33,9 +38,17 @@ def _load(config: Path, sets: Optional[List[str]]):
     return load_config(config, sets or [])
 
 
-def _run(fn):
-    """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug)."""
+def _run(fn, quiet_libraries: bool = True):
+    """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug).
+
+    `quiet_libraries` first silences transformers' progress bars and log chatter (which imports transformers); a verb
+    that loads no model (`report`) passes False and stays fast.
+    """
     try:
+        if quiet_libraries:
+            from .runtime import quiet_libraries as _quiet
+
+            _quiet()
         return fn()
     except GradianError as e:
         if _state["debug"]:
@@ -169,7 +182,7 @@ def report(run_dir: Path):
         path = write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
         out.print(f"report: {path}")
 
-    _run(body)
+    _run(body, quiet_libraries=False)
 
 
 @app.command()
@@ -231,9 +244,6 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
 
 
 def main() -> None:
-    from .runtime import quiet_libraries
-
-    quiet_libraries()
     app()
 
 
