@@ -170,7 +170,6 @@ def test_the_graph_sees_the_package():
     assert "gradian.config" in graph["gradian.demo.run"]  # from ..config import load_config
 
 
-@pytest.mark.xfail(strict=False, reason="cycles removed by the layout restructure")
 def test_no_import_cycles():
     cycles = find_cycles(import_graph(SRC, "gradian"))
     assert not cycles, f"{len(cycles)} import cycle(s) in gradian:\n{format_cycles(cycles)}"

@@ -1,4 +1,4 @@
-"""report.json against its typed model (gradian.report_schema) and the exported JSON Schema document.
+"""report.json against its typed model (gradian.report.schema) and the exported JSON Schema document.
 
 Real reports of every shape come from one tiny run (test_verify's scenario: 48 chat rows, 4 planted, about a
 second of training): attributed (exact index, scores averaged over the saved epoch checkpoints), projected
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gradian.report_schema import Report, report_json_schema
+from gradian.report.schema import Report, report_json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_FILE = ROOT / "docs" / "report.schema.json"
 SAMPLE = Path(__file__).parent / "fixtures" / "report_sample.json"
-REGENERATE = "PYTHONPATH=src python -m gradian.report_schema > docs/report.schema.json"
+REGENERATE = "PYTHONPATH=src python -m gradian.report.schema > docs/report.schema.json"
 
 
 def _schema_validator():
@@ -51,7 +51,7 @@ def test_committed_schema_is_in_step_with_the_models():
     generated = json.dumps(report_json_schema(), indent=2, sort_keys=True) + "\n"
     assert SCHEMA_FILE.exists(), f"{SCHEMA_FILE} is missing; generate it with `{REGENERATE}`"
     assert SCHEMA_FILE.read_text(encoding="utf-8") == generated, (
-        f"docs/report.schema.json is out of date with gradian/report_schema.py; regenerate it with `{REGENERATE}`")
+        f"docs/report.schema.json is out of date with gradian/report/schema.py; regenerate it with `{REGENERATE}`")
 
 
 def test_committed_schema_is_a_valid_json_schema():
@@ -85,9 +85,9 @@ def _zero_lora_b(src: Path, dst: Path) -> Path:
 def reports(tmp_path_factory):
     from test_verify import write_tiny_run
 
-    from gradian.api import attribute
+    from gradian.pipeline import attribute
     from gradian.config import load_config
-    from gradian.train import train_adapter
+    from gradian.training.loop import train_adapter
 
     d = tmp_path_factory.mktemp("schema") / "run"
     cfg_path = write_tiny_run(d)

@@ -72,7 +72,8 @@ def diagnose(config: Path, set: Optional[List[str]] = SetOpt,
     """Run every setup check without building an index; exit 1 if any error-level check fails."""
 
     def body():
-        from .checks import print_checks, run_diagnose
+        from .checks import run_diagnose
+        from .report.terminal import print_checks
 
         results = run_diagnose(config, set or [])
         if as_json:
@@ -91,13 +92,12 @@ def train(config: Path, set: Optional[List[str]] = SetOpt,
     """LoRA SFT with the config's recipe; writes the adapter and the recipe beside it."""
 
     def body():
+        from . import api
         from .errors import ConfigError
-        from .train import train_adapter
 
         if backend != "hf":
             raise ConfigError(f"--backend {backend}: only 'hf' is available in this build")
-        cfg = _load(config, set)
-        path = train_adapter(cfg)
+        path = api.train(_load(config, set))
         out.print(f"adapter written to [bold]{path}[/] (recipe: {path / 'gradian_recipe.json'})")
 
     _run(body)
@@ -109,13 +109,8 @@ def evaluate(config: Path, set: Optional[List[str]] = SetOpt):
 
     def body():
         from . import api
-        from .report import atomic_write_text
 
-        cfg = _load(config, set)
-        s = api.open_session(cfg)
-        cap = api.evaluate(s)
-        d = api.capability_json(s, cap)
-        atomic_write_text(cfg.output_dir / "capability.json", json.dumps(d, indent=2))
+        cap = api.evaluate(_load(config, set))
         lo, hi = cap.ci
         out.print(f"{cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, delta {cap.delta:+.3f} "
                   f"[{lo:+.3f}, {hi:+.3f}] significant={cap.significant}")
@@ -130,10 +125,7 @@ def index(config: Path, set: Optional[List[str]] = SetOpt):
     def body():
         from . import api
 
-        cfg = _load(config, set)
-        s = api.open_session(cfg, need_eval=False)
-        _, idx, _, info = api.index(s)
-        idx.close()
+        info = api.build_index(_load(config, set))
         proj = info.projection
         out.print(f"index [bold]{info.key}[/] at {info.root}")
         out.print(f"  rows {info.examples} (built {info.built}, reused {info.reused}), dim {info.dim}, "
@@ -149,7 +141,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
 
     def body():
         from . import api
-        from .report import print_summary
+        from .report.terminal import print_summary
 
         cfg = _load(config, set)
         truth = None
@@ -162,7 +154,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
 
                 raise DataError(f"{tfile}: unreadable ground truth ({e}); delete it or fix the JSON") from None
         report = api.attribute(cfg, truth=truth)
-        print_summary(report, out)
+        print_summary(report.to_dict(), out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
 
     _run(body)
@@ -174,7 +166,7 @@ def report(run_dir: Path):
 
     def body():
         from .errors import DataError
-        from .html_report import load_run, write_html
+        from .report.html import load_run, write_html
 
         if not (run_dir / "report.json").exists():
             raise DataError(f"{run_dir}: no report.json; run `gradian attribute CONFIG` first")
@@ -211,7 +203,8 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
     """Retrain without the top-k accused rows (and without k random rows) and re-measure; writes OUT/verify.json."""
 
     def body():
-        from .verify import print_verify, run_verify
+        from .report.terminal import print_verify
+        from .validate.verify import run_verify
 
         cfg = _load(config, set)
         res = run_verify(cfg, top_k=top_k, controls=controls, keep_adapters=keep_adapters, reference=reference,
@@ -232,7 +225,8 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
     """Leave-one-out and LDS on deterministic retrains: do the scores predict the change? Writes OUT/fidelity.json."""
 
     def body():
-        from .fidelity import print_fidelity, run_fidelity
+        from .report.terminal import print_fidelity
+        from .validate.fidelity import run_fidelity
 
         cfg = _load(config, set)
         res = run_fidelity(cfg, loo=loo, subsets=subsets, frac=frac, preconditioners=preconditioner or None,

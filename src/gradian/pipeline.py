@@ -66,6 +66,13 @@ def index_stage(s: Session) -> OpenIndex:
     return ix
 
 
+def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scores:
+    """The scores of the session's (active) adapter alone, with the config's settings but `settings` (e.g.
+    `preconditioner="identity"`, `windows=False`)."""
+    return score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems,
+                       ScoringSettings.from_config(s.cfg, direction, **settings), block_dims=block_dims_of(ix.index))
+
+
 def score_stage(s: Session, ix: OpenIndex, qitems, direction: str) -> tuple[Scores, Optional[dict]]:
     """The final adapter's scores (`attribution.engine.score_items`), averaged over the checkpoints
     (`attribution.checkpoints`); the report's checkpoints entry, if any."""

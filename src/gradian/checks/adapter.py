@@ -130,7 +130,7 @@ def _base_mismatch(ctx) -> Outcome:
         fp = recipe.get("base_fingerprint") if isinstance(recipe, dict) else None
         base_dir = Path(ctx.base_ref)
         if fp and base_dir.is_dir() and weights_bytes(base_dir) <= FINGERPRINT_MAX_BYTES:
-            from .modeling import dir_fingerprint
+            from ..io import dir_fingerprint
 
             if dir_fingerprint(base_dir) != fp:
                 notes.append(f"{recipe_file}: the adapter was trained on a base with fingerprint {fp}, model.base "

@@ -120,7 +120,7 @@ def _tokenizer_load(ctx) -> Outcome:
                "sequences are supervised. Info for text-only data, a warning otherwise.",
        fix="use the tokenizer the model was fine-tuned with, with a chat template (ideally with {% generation %} tags)")
 def _no_chat_template(ctx) -> Outcome:
-    from .data import has_chat_template
+    from ..setup.tokenize import has_chat_template
 
     tok = ctx.tokenizer
     if has_chat_template(tok):

@@ -33,7 +33,7 @@ def _no_target(ctx) -> Outcome:
                f"(paired test, 80% power, at evaluation.confidence) is above {SMALL_EVAL_MDD}.",
        fix="add eval items: the detectable delta shrinks with 1/sqrt(n) (about 200 items detect a 0.1 change)")
 def _small_eval(ctx) -> Outcome:
-    from .capability import min_detectable_delta
+    from ..capability.metrics import min_detectable_delta
 
     items = ctx.eval_items
     if items is None:

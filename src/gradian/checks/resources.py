@@ -49,8 +49,8 @@ def _logit_upcast(ctx) -> Outcome:
        fix="set grads.projection_dim (e.g. 8192) and/or grads.storage_dtype: bfloat16, or point grads.cache_dir at a "
            "bigger disk")
 def _index_size(ctx) -> Outcome:
-    from .capture import site_shapes
-    from .projection import Projector
+    from ..grads.layout import site_shapes
+    from ..projection import Projector
 
     sites, _ = ctx.sites
     examples = ctx.examples

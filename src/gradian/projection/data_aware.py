@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .projector import Projector
 
 GRAM_MAX_D = 1024  # data-aware stage 1: exact d x d Gram up to this width, a Frequent Directions sketch above
 STAGE2_WIDTH = 256  # data-aware: r * k1, the width of a side's stage-1 output (its stage-2 Gram is this squared)
@@ -44,7 +47,7 @@ def _fix_signs(u: Tensor) -> Tensor:
     return u * sign
 
 
-class _SideFit:
+class SideFit:
     """Second moment of the rows of one wide side: the exact Gram (float64) when d <= GRAM_MAX_D, else a Frequent
     Directions sketch of l rows (Liberty 2013: deterministic, one pass, B^T B within ||A - A_k||_F^2 / (l - k) of
     the Gram, far below what the top k1 <= l / 4 directions need). On CPU, so the result depends only on the rows
@@ -130,7 +133,7 @@ class BasisFitter:
             for side in ("A", "B"):
                 k1, d = projector.k1(s, side), (s.d_in if side == "A" else s.d_out)
                 if k1 < d:
-                    self.stage1_fits[(s.name, side)] = _SideFit(d, k1)
+                    self.stage1_fits[(s.name, side)] = SideFit(d, k1)
         self.passes = 2 if self.stage1_fits else 1
         self.pass_no = 0  # passes ended so far
         self.stage1: dict = {}

@@ -15,7 +15,7 @@ DISK_DTYPE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16"
 NORMS_DTYPE = np.dtype("<f4")
 
 
-def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bits, the same rounding `torch.Tensor.to(torch.bfloat16)` does
     (a test checks bit equality). Done in numpy so writing an index never needs to import torch. Inputs are
     finite (checked in `add`), so the NaN branch torch has is not needed."""
@@ -24,7 +24,7 @@ def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(DISK_DTYPE["bfloat16"])
 
 
-def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     # bfloat16 is the top half of a float32, so widening is exact.
     return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
@@ -40,14 +40,14 @@ def encode(vectors: np.ndarray, storage_dtype: str) -> tuple[np.ndarray, Optiona
     if storage_dtype == "float16":
         data = unit.astype(DISK_DTYPE["float16"])
     else:
-        data = _f32_to_bf16_bits(unit)
+        data = f32_to_bf16_bits(unit)
     return np.ascontiguousarray(data), norms.astype(NORMS_DTYPE)
 
 
 def decode(data: np.ndarray, norms: Optional[np.ndarray], storage_dtype: str) -> np.ndarray:
     if storage_dtype == "float32":
         return np.asarray(data, dtype=np.float32)  # a memory-mapped slice stays a view: no copy
-    unit = data.astype(np.float32) if storage_dtype == "float16" else _bf16_bits_to_f32(data)
+    unit = data.astype(np.float32) if storage_dtype == "float16" else bf16_bits_to_f32(data)
     unit *= np.asarray(norms, dtype=np.float32)[:, None]
     return unit
 

@@ -22,8 +22,10 @@ Not thread-safe: one `GradientIndex` object per thread, one process per index (t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -36,6 +38,8 @@ from .lock import LOCK_FILE, IndexLocked, Lock
 from .manifest import MANIFEST, NORMS_RE, SCHEMA, SHARD_RE, validate_manifest
 
 log = logging.getLogger(__name__)
+
+__all__ = ["GradientIndex", "IndexLocked", "IndexMismatch", "SCHEMA", "STORAGE_DTYPES"]
 
 TMP_PREFIX = ".tmp-"
 ON_MISMATCH = ("rebuild", "refuse")

@@ -14,7 +14,7 @@ Rules the models follow:
 * Dump with ``model_dump(by_alias=True, exclude_unset=True)`` to get report.json's keys back (``schema`` is the
   alias of `Report.schema_id`).
 
-Regenerate docs/report.schema.json with ``python -m gradian.report_schema > docs/report.schema.json``.
+Regenerate docs/report.schema.json with ``python -m gradian.report.schema > docs/report.schema.json``.
 """
 
 from __future__ import annotations
@@ -393,6 +393,10 @@ class Report(_Model):
     truth: Truth = _absent("Passed in by the demo and tests.")
     metrics: Metrics = _absent("With `truth.planted` and scores only.")
     timings: dict[str, float] = Field(description="Seconds per step (load, evaluate, index, score, ..., total).")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as report.json holds it (the keys it was read with)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 def report_json_schema() -> dict:
