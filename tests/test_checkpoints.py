@@ -227,3 +227,25 @@ def test_saved_adapters_finds_trainer_checkpoints(tmp_path):
     assert [p.name for p in saved_adapters(str(out / "checkpoint-500"))] == ["checkpoint-20", "checkpoint-100"]
     assert saved_adapters(str(tmp_path / "nothing-here")) == []
     assert evenly(list(range(1, 8)), 3) == [2, 5, 7] and evenly([1, 2], 5) == [1, 2] and evenly([1, 2], 0) == []
+
+
+def test_checkpoints_load_onto_one_base(two_epoch_run, tmp_path, monkeypatch):
+    """Scores over the saved checkpoints load the base model once: each checkpoint is a named adapter on it."""
+    import transformers
+
+    from gradian.pipeline import attribute
+
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+    calls = []
+
+    def counting(cls, *a, **kw):
+        calls.append(a[0] if a else kw.get("pretrained_model_name_or_path"))
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    cfg.output = str(tmp_path / "out")
+    rep = attribute(cfg)
+    assert rep["query"]["checkpoints"]["count"] == 2
+    assert len(calls) == 1, calls

@@ -59,16 +59,8 @@ def _data_empty(ctx) -> Outcome:
                "{prompt, answer} or {messages, answer}.",
        fix="rename the fields to one of the supported shapes (see README 'Data records')")
 def _data_unknown_shape(ctx) -> Outcome:
-    _, unknown, _ = ctx.train_parse
-    msgs = list(unknown)
-    if ctx.eval_rows:
-        _, problem = ctx.eval_parse
-        if problem and problem[0] == "data.unknown_record_shape":
-            msgs.append(problem[1])
-    if msgs:
-        more = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
-        return failed(f"{len(msgs)} record(s) with an unknown shape: " + "; ".join(msgs[:3]) + more)
-    return passed("every record has a known shape")
+    return _record_problems(ctx, "data.unknown_record_shape", 1, "record(s) with an unknown shape",
+                            "every record has a known shape")
 
 
 @check("data.invalid_record", "error",
@@ -76,16 +68,20 @@ def _data_unknown_shape(ctx) -> Outcome:
                "without an assistant turn, an eval conversation that ends with the answer.",
        fix="repair the field named at file:line, or drop the record")
 def _data_invalid(ctx) -> Outcome:
-    _, _, invalid = ctx.train_parse
-    msgs = list(invalid)
+    return _record_problems(ctx, "data.invalid_record", 2, "malformed record(s)", "every record is well formed")
+
+
+def _record_problems(ctx, check_id: str, which: int, what: str, ok: str) -> Outcome:
+    """The training records' (train_parse[which]) and the eval file's problems of one kind, the first three named."""
+    msgs = list(ctx.train_parse[which])
     if ctx.eval_rows:
         _, problem = ctx.eval_parse
-        if problem and problem[0] == "data.invalid_record":
+        if problem and problem[0] == check_id:
             msgs.append(problem[1])
     if msgs:
         more = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
-        return failed(f"{len(msgs)} malformed record(s): " + "; ".join(msgs[:3]) + more)
-    return passed("every record is well formed")
+        return failed(f"{len(msgs)} {what}: " + "; ".join(msgs[:3]) + more)
+    return passed(ok)
 
 
 @check("data.duplicate_rows", "warning",

@@ -22,7 +22,6 @@ Not thread-safe: one `GradientIndex` object per thread, one process per index (t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -32,10 +31,12 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import IndexError_
-from ..io import atomic_write, fsync_dir, sha256_file
-from .encoding import DISK_DTYPE, NORMS_DTYPE, STORAGE_DTYPES, as_float32, decode, encode
+from ..io import atomic_write
+from .encoding import STORAGE_DTYPES, as_float32, decode, encode
 from .lock import LOCK_FILE, IndexLocked, Lock
-from .manifest import MANIFEST, NORMS_RE, SCHEMA, SHARD_RE, validate_manifest
+from .manifest import (
+    MANIFEST, SCHEMA, SHARD_RE, Problem, check_shard, move_aside, read_manifest, shard_files, short,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +56,9 @@ class IndexMismatch(IndexError_):
         self.reason = reason
 
 
-class _Problem:
-    __slots__ = ("path", "reason", "detail")
-
-    def __init__(self, path: Path, reason: str, detail: str):
-        self.path, self.reason, self.detail = path, reason, detail
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason} ({self.detail})"
-
-
 def _atomic_write(directory: Path, name: str, write) -> tuple[str, int]:
     """Write `directory/name` under a `TMP_PREFIX` temporary name (what `open` removes as a killed writer's debris)."""
-    import os
-
     return atomic_write(directory / name, write, tmp_name=f"{TMP_PREFIX}{name}.{os.getpid()}")
-
-
-def _short(s: str, n: int = 80) -> str:
-    return repr(s) if len(s) <= n else repr(s[: n - 3] + "...")
-
-
-# ---------------------------------------------------------------------------------------------- the index
 
 
 class GradientIndex:
@@ -151,82 +133,16 @@ class GradientIndex:
         return self
 
     def _our_files(self) -> list[Path]:
-        return sorted(
-            p for p in self._root.iterdir() if SHARD_RE.fullmatch(p.name) or NORMS_RE.fullmatch(p.name)
-        )
+        return shard_files(self._root)
 
-    def _read_manifest(self) -> tuple[Optional[dict], Optional[_Problem], bytes]:
-        path = self._root / MANIFEST
-        if not path.exists():
-            strays = self._our_files()
-            if strays:
-                return None, _Problem(path, "unreadable", f"no manifest, but {len(strays)} shard files"), b""
-            return None, None, b""
-        try:
-            raw = path.read_bytes()
-            m = json.loads(raw)
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            return None, _Problem(path, "unreadable", f"not valid JSON: {e}"), b""
-        if not isinstance(m, dict) or m.get("schema") != SCHEMA:
-            schema = m.get("schema") if isinstance(m, dict) else None
-            return None, _Problem(path, "foreign", f"schema is {schema!r}, expected {SCHEMA!r}"), raw
-        try:
-            validate_manifest(m)
-        except ValueError as e:
-            return None, _Problem(path, "unreadable", str(e)), raw
-        diffs = [
-            f"{name} {_short(str(m[name]))} (this run needs {_short(str(want))})"
-            for name, want in (("key", self._key), ("dim", self._dim), ("storage_dtype", self._dtype))
-            if m[name] != want
-        ]
-        if diffs:
-            return None, _Problem(path, "foreign", "built for " + ", ".join(diffs)), raw
-        return m, None, raw
+    def _read_manifest(self) -> tuple[Optional[dict], Optional[Problem], bytes]:
+        return read_manifest(self._root, key=self._key, dim=self._dim, storage_dtype=self._dtype)
 
-    def _move_aside(self, problem: _Problem, raw: bytes) -> Path:
-        # Moved, not deleted: a foreign index may be another run's expensive cache, and a manifest we cannot
-        # read may not even be ours. The lock file stays, since we hold it.
-        tag = hashlib.sha256(raw).hexdigest()[:12]
-        dest = self._root.with_name(f"{self._root.name}.{problem.reason}-{tag}")
-        n = 1
-        while dest.exists():
-            dest = self._root.with_name(f"{self._root.name}.{problem.reason}-{tag}-{n}")
-            n += 1
-        dest.mkdir()
-        for p in [self._root / MANIFEST, *self._our_files()]:
-            if p.exists():
-                os.replace(p, dest / p.name)
-        fsync_dir(self._root)
-        return dest
+    def _move_aside(self, problem: Problem, raw: bytes) -> Path:
+        return move_aside(self._root, problem, raw)
 
-    def _check_shard(self, entry: dict, verify: bool) -> Optional[_Problem]:
-        files = [(entry["file"], entry["bytes"], entry["sha256"], (entry["rows"], self._dim), DISK_DTYPE[self._dtype])]
-        if entry["norms"] is not None:
-            n = entry["norms"]
-            files.append((n["file"], n["bytes"], n["sha256"], (entry["rows"],), NORMS_DTYPE))
-        for name, nbytes, sha, shape, dtype in files:
-            path = self._root / name
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                return _Problem(path, "missing", "file not found")
-            if size < nbytes:
-                return _Problem(path, "truncated", f"{size} bytes, the manifest says {nbytes}")
-            if size > nbytes:
-                return _Problem(path, "corrupt", f"{size} bytes, the manifest says {nbytes}")
-            if verify:
-                actual = sha256_file(path)
-                if actual != sha:
-                    detail = f"sha256 {actual[:16]}... does not match the manifest's {sha[:16]}..."
-                    return _Problem(path, "corrupt", detail)
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-                ok = arr.shape == shape and arr.dtype == dtype and arr.flags.c_contiguous
-            except (ValueError, OSError) as e:
-                return _Problem(path, "corrupt", f"not a readable .npy file: {e}")
-            if not ok:
-                return _Problem(path, "corrupt", f"holds {arr.dtype}{arr.shape}, expected {dtype}{shape}")
-        return None
+    def _check_shard(self, entry: dict, verify: bool) -> Optional[Problem]:
+        return check_shard(self._root, entry, dim=self._dim, storage_dtype=self._dtype, verify=verify)
 
     def _load(self, on_mismatch: str, verify: bool, meta: Optional[dict]) -> None:
         root = self._root
@@ -260,7 +176,7 @@ class GradientIndex:
                 log.info("gradient index %s: removing %s, which the manifest does not name", root, p.name)
                 p.unlink(missing_ok=True)
 
-        problems: list[tuple[_Problem, dict]] = []
+        problems: list[tuple[Problem, dict]] = []
         keep: list[dict] = []
         for entry in manifest["shards"]:
             pr = self._check_shard(entry, verify)
@@ -403,7 +319,7 @@ class GradientIndex:
         finite = np.isfinite(rows).all(axis=1)
         if not finite.all():
             bad = row_keys[take[int(np.argmin(finite))]]
-            raise ValueError(f"add: row {_short(bad)} has NaN or inf entries; refusing to store it")
+            raise ValueError(f"add: row {short(bad)} has NaN or inf entries; refusing to store it")
         self._pend_keys.extend(row_keys[i] for i in take)
         self._pend_set.update(row_keys[i] for i in take)
         self._pend_vecs.append(rows)
@@ -493,7 +409,7 @@ class GradientIndex:
             if loc is None:
                 absent = sum(1 for kk in row_keys if kk not in where)
                 raise KeyError(
-                    f"row {_short(k)} is not in the gradient index {self._root} "
+                    f"row {short(k)} is not in the gradient index {self._root} "
                     f"({absent} of {n} requested rows are absent)"
                 )
             shard[i], local[i] = loc
