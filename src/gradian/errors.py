@@ -43,7 +43,3 @@ class CheckFailed(GradianError):
 
 class VerifyError(GradianError):
     """verify/fidelity cannot run on this run directory (no report, no recipe, nothing attributed)."""
-
-
-class ResourceError(GradianError):
-    """Memory (or disk) ran out in a stage; the message names the stage and the setting to lower."""

@@ -78,10 +78,6 @@ def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: Path | str, obj: Any, **dumps_kw) -> None:
-    atomic_write_text(path, json.dumps(obj, **{"indent": 2, **dumps_kw}))
-
-
 def atomic_save_npy(path: Path | str, arr) -> None:
     import numpy as np
 
@@ -106,10 +102,6 @@ def atomic_dir(final: Path | str) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------- hashes
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: Path | str) -> str:

@@ -21,7 +21,7 @@ from ..grads.layout import exact_widths, site_shapes
 from ..grads.tangents import token_contributions
 from ..progress import progress_bar
 from ..projection import Projector, back_project
-from ..setup.batches import collate
+from ..setup.batches import batches
 from ..store.rows import RowSource
 from . import rerank as rr
 from . import windows as win
@@ -100,13 +100,12 @@ class ModelGradients:
         device = next(self.model.parameters()).device
         pos = list(positions)
         d32 = np.asarray(dirs, dtype=np.float32)
-        order = sorted(range(len(pos)), key=lambda j: (len(self.toks[pos[j]].input_ids), pos[j]))
+        rows = [self.toks[p] for p in pos]
+        order = sorted(range(len(pos)), key=lambda j: (len(rows[j].input_ids), pos[j]))
         exact = self.exact()
         with progress_bar("exact re-rank", total=len(pos)) as bar:
-            for i in range(0, len(order), self.batch_size):
-                js = order[i : i + self.batch_size]
-                ids, attn, sup = collate([self.toks[pos[j]] for j in js], self.pad_id)
-                vecs, _ = exact.vectors(ids.to(device), attn.to(device), sup.to(device))
+            for js, ids, attn, sup in batches(rows, order, self.batch_size, self.pad_id, device):
+                vecs, _ = exact.vectors(ids, attn, sup)
                 out[:, js] = d32 @ vecs.detach().cpu().numpy().T
                 bar.advance(len(js))
         return out

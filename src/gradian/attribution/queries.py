@@ -28,7 +28,7 @@ from ..capability.evaluate import CapabilityResult
 from ..capability.metrics import normalize_answer
 from ..grads.capture import GradientCapture
 from ..grads.objectives import margin_losses, per_example_loss
-from ..setup.batches import collate
+from ..setup.batches import batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, tokenize_example
 
@@ -122,17 +122,15 @@ def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem]
     out = torch.zeros(len(queries), capture.dim)
     device = next(capture.model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for s in range(0, len(rows), batch_size):
-        ids, attn, sup = collate(rows[s : s + batch_size], pad)
-        vecs, _ = capture.vectors(ids.to(device), attn.to(device), sup.to(device))
-        for j, v in enumerate(vecs.cpu()):
-            out[owner[s + j]] += sign[s + j] * v
-    for s in range(0, len(margin_rows), batch_size):
-        part = margin_rows[s : s + batch_size]
-        ids, attn, sup = collate([t for _, t in part], pad)
-        vecs, _ = capture.margin_vectors(ids.to(device), attn.to(device), sup.to(device))
-        for (qi, _), v in zip(part, vecs.cpu()):
-            out[qi] += v
+    for part, ids, attn, sup in batches(rows, range(len(rows)), batch_size, pad, device):
+        vecs, _ = capture.vectors(ids, attn, sup)
+        for j, v in zip(part, vecs.cpu()):
+            out[owner[j]] += sign[j] * v
+    mtoks = [t for _, t in margin_rows]
+    for part, ids, attn, sup in batches(mtoks, range(len(mtoks)), batch_size, pad, device):
+        vecs, _ = capture.margin_vectors(ids, attn, sup)
+        for j, v in zip(part, vecs.cpu()):
+            out[margin_rows[j][0]] += v
     return out
 
 
@@ -146,17 +144,15 @@ def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = np.zeros(len(queries))
     rows, sign, owner, mrows = query_rows(tokenizer, items, queries, chat=chat, max_len=max_len)
-    for s in range(0, len(rows), batch_size):
-        ids, attn, sup = collate(rows[s : s + batch_size], pad)
-        l = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device)).double().cpu().numpy()
-        for j, v in enumerate(l):
-            out[owner[s + j]] += sign[s + j] * float(v)
-    for s in range(0, len(mrows), batch_size):
-        part = mrows[s : s + batch_size]
-        ids, attn, sup = collate([t for _, t in part], pad)
-        l, _ = margin_losses(model, ids.to(device), attn.to(device), sup.to(device))
-        for (qi, _), v in zip(part, l.double().cpu().numpy()):
-            out[qi] += float(v)
+    for part, ids, attn, sup in batches(rows, range(len(rows)), batch_size, pad, device):
+        losses = per_example_loss(model, ids, attn, sup).double().cpu().numpy()
+        for j, v in zip(part, losses):
+            out[owner[j]] += sign[j] * float(v)
+    mtoks = [t for _, t in mrows]
+    for part, ids, attn, sup in batches(mtoks, range(len(mtoks)), batch_size, pad, device):
+        losses, _ = margin_losses(model, ids, attn, sup)
+        for j, v in zip(part, losses.double().cpu().numpy()):
+            out[mrows[j][0]] += float(v)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..grads.objectives import per_example_loss
 from ..progress import progress_bar
-from ..setup.batches import collate
+from ..setup.batches import batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, eval_prompt_text, tokenize_example
 from .metrics import item_score, loglik_score, min_detectable_delta, paired_bootstrap
@@ -82,11 +82,10 @@ def answer_logprobs(model, tokenizer, items: Sequence[EvalItem], answers: Sequen
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lp, n = [], []
-    for s in range(0, len(toks), batch_size):
-        ids, attn, sup = collate(toks[s : s + batch_size], pad)
-        losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
+    for part, ids, attn, sup in batches(toks, range(len(toks)), batch_size, pad, device):
+        losses = per_example_loss(model, ids, attn, sup)
         lp.extend((-losses).tolist())
-        n.extend(t.n_supervised for t in toks[s : s + batch_size])
+        n.extend(toks[j].n_supervised for j in part)
     return np.array(lp), np.array(n)
 
 

@@ -131,7 +131,7 @@ def mean_hidden_states(model, toks, pad_id: int, *, batch_size: int = 8) -> np.n
     """[N, H] mean of the last hidden state over each row's attended tokens (model as given: adapter on)."""
     import torch
 
-    from ..setup.batches import collate
+    from ..setup.batches import batches
 
     was_training = model.training
     model.eval()
@@ -139,12 +139,10 @@ def mean_hidden_states(model, toks, pad_id: int, *, batch_size: int = 8) -> np.n
     order = sorted(range(len(toks)), key=lambda i: (len(toks[i].input_ids), i))  # less padding
     res: dict[int, np.ndarray] = {}
     with torch.no_grad():
-        for s in range(0, len(order), batch_size):
-            batch = order[s : s + batch_size]
-            ids, attn, _ = collate([toks[i] for i in batch], pad_id)
-            o = model(input_ids=ids.to(device), attention_mask=attn.to(device), output_hidden_states=True)
+        for batch, ids, attn, _ in batches(toks, order, batch_size, pad_id, device):
+            o = model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
             h = o.hidden_states[-1].float()
-            m = attn.to(device).unsqueeze(-1).float()
+            m = attn.unsqueeze(-1).float()
             mean = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
             for i, v in zip(batch, mean.cpu().numpy()):
                 res[i] = v

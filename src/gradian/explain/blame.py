@@ -169,17 +169,14 @@ def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id
     import torch
 
     from ..grads.objectives import per_example_loss
-    from ..setup.batches import collate
+    from ..setup.batches import batches
 
-    rows = [toks[p] for p in positions]
     out: list[float] = []
     device = next(model.parameters()).device
     with torch.no_grad(), (model.disable_adapter() if base else contextlib.nullcontext()):
-        for i in range(0, len(rows), batch_size):
-            batch = rows[i : i + batch_size]
-            ids, attn, sup = collate(batch, pad_id)
-            losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
-            out.extend((losses.cpu() / torch.tensor([max(t.n_supervised, 1) for t in batch])).tolist())
+        for part, ids, attn, sup in batches(toks, positions, batch_size, pad_id, device):
+            losses = per_example_loss(model, ids, attn, sup)
+            out.extend((losses.cpu() / torch.tensor([max(toks[p].n_supervised, 1) for p in part])).tolist())
     return out
 
 

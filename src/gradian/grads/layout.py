@@ -35,10 +35,6 @@ def exact_widths(sites) -> list[int]:
     return [s.r * (s.d_in + s.d_out) for s in sites]
 
 
-def exact_width(sites) -> int:
-    return sum(exact_widths(sites))
-
-
 def block_slices(block_dims: Sequence[int]) -> list[slice]:
     out, a = [], 0
     for d in block_dims:

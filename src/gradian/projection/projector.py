@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from ..io import atomic_write_bytes
-from ..grads.layout import SiteShape
+from ..grads.layout import SiteShape, exact_widths
 from .data_aware import BASIS_FILE, BASIS_SCHEMA, STAGE2_WIDTH, Basis, BasisFitter, basis_bytes
 from .random import SJLT_NNZ, SJLT_SPARSE_FROM_K, SparseJL, _seed_for, dense_blocks, random_matrix
 
@@ -74,7 +74,7 @@ class Projector:
         self._by_name = {s.name: s for s in self.sites}
         self.kind, self.seed, self.fit_rows = kind, int(seed), int(fit_rows)
         self.requested_dim = dim
-        self.exact_dim = sum(s.r * (s.d_in + s.d_out) for s in self.sites)
+        self.exact_dim = sum(exact_widths(self.sites))
         self.k: Optional[int] = None
         self._dim = self.exact_dim
         if dim is not None and dim < self.exact_dim:
@@ -356,7 +356,7 @@ def back_project(projector: Projector, w) -> np.ndarray:
     wt = torch.as_tensor(w, dtype=torch.float32)
     for i, (s, dim) in enumerate(zip(sites, projector.site_dims())):
         if dim == 0:  # a site the data-aware fit gave no width: nothing of it is in the index
-            outs.append(np.zeros((w.shape[0], s.r * (s.d_in + s.d_out))))
+            outs.append(np.zeros((w.shape[0], s.numel)))
             continue
         dA = torch.zeros(w.shape[0], s.r, s.d_in, requires_grad=True)
         dB = torch.zeros(w.shape[0], s.d_out, s.r, requires_grad=True)

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .. import __version__
+from ..version import __version__
 from .plots import capability_svg, fmt_num, histogram_from_scores, histogram_svg
 
 # Long rows are trimmed around their highlighted span; the full text stays in the training file.

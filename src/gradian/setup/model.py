@@ -22,7 +22,6 @@ import torch
 
 from ..config import Config
 from ..errors import ModelError
-from ..io import dir_fingerprint
 from ..runtime import configure_threads, resolve_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -366,7 +365,3 @@ def use_adapter(model, name: str) -> Iterator[None]:
 def drop_adapter(model, name: str) -> None:
     if name != ADAPTER_NAME and name in getattr(model, "peft_config", {}):
         model.delete_adapter(name)
-
-
-def model_fingerprint(cfg: Config) -> str:
-    return dir_fingerprint(base_ref(cfg))

@@ -59,9 +59,6 @@ class Session:
         if not any(f["id"] == id for f in self.flags):
             self.flags.append({"id": id, "level": level, "message": message, "fix": fix})
 
-    def timed(self, stage: str, seconds: float) -> None:
-        self.timings[stage] = round(self.timings.get(stage, 0.0) + seconds, 3)
-
     @contextmanager
     def checkpoint(self, path: str, name: str) -> Iterator["Session"]:
         """A view of this session with the adapter at `path` (an earlier checkpoint) loaded onto the same base under
