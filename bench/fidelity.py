@@ -5,7 +5,7 @@
     .venv/bin/python bench/fidelity.py --scenarios substitution,null --seeds 0,1 --methods identity,bm25
 
 For each scenario x seed (`gradian.demo.scenarios`): write the scenario, train its LoRA once with the scenario's
-recipe (an adapter whose recorded recipe and data match is reused), then run `gradian.api.attribute` once per
+recipe (an adapter whose recorded recipe and data match is reused), then run `gradian.pipeline.attribute` once per
 preconditioner (the gradient index is cached by key and shared by every run of that adapter), then the baselines
 (`gradian.baselines`: representation similarity, BM25, gradient cosine) on the same failing items. Method
 ``diagonal+ck8`` is the diagonal preconditioner with ``attribution.checkpoints=8`` (scores averaged over 8 epoch
@@ -133,18 +133,19 @@ def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> t
     """Train the scenario's LoRA unless an adapter with the same recipe and data is there; (dir, seconds, reused):
     CPU seconds of this training, or the wall seconds the reused adapter's recipe recorded."""
     from gradian.config import load_config
-    from gradian.data import dataset_fingerprint, load_train
-    from gradian.train import read_recipe, train_adapter
+    from gradian.setup.records import dataset_fingerprint, load_train
+    from gradian.training.recipe import read_recipe
+    from gradian.training.loop import train_adapter
 
     cfg = load_config(cfg_path, [f"model.adapter={adapter}"])
     out = cfg.adapter_out
     rec = read_recipe(out) if out.exists() else None
     hp = cfg.train.model_dump(exclude={"output"})
     fp = dataset_fingerprint(load_train(cfg.path(cfg.data.train)))
-    if (rec and rec.get("hyperparameters") == json.loads(json.dumps(hp)) and rec.get("dataset_fingerprint") == fp
-            and rec.get("seed") == cfg.seed and sorted(rec.get("excluded_positions", [])) == sorted(exclude)
-            and (out / "adapter_model.safetensors").exists()):
-        return out, float(rec.get("train_seconds") or 0.0), True
+    if (rec and rec.hyperparameters.model_dump(exclude_unset=True) == json.loads(json.dumps(hp))
+            and rec.dataset_fingerprint == fp and rec.seed == cfg.seed
+            and sorted(rec.excluded_positions) == sorted(exclude) and (out / "adapter_model.safetensors").exists()):
+        return out, float(rec.train_seconds or 0.0), True
     t0 = time.process_time()
     train_adapter(cfg, exclude=exclude, progress=False)
     return out, time.process_time() - t0, False
@@ -163,7 +164,7 @@ def jaccard(a, b) -> float:
 def figures(scores: Optional[np.ndarray], item_rankings: dict[int, list[int]], truth: dict,
             report: Optional[dict] = None, clusters: Optional[list] = None) -> dict[str, Any]:
     """Every figure of one method on one run."""
-    from gradian.scoring import auprc, rank, recall_at_k
+    from gradian.attribution.scoring import auprc, rank, recall_at_k
 
     planted = list(truth.get("planted") or [])
     item_planted = {int(k): v for k, v in (truth.get("item_planted") or {}).items()}
@@ -208,10 +209,11 @@ def figures(scores: Optional[np.ndarray], item_rankings: dict[int, list[int]], t
 
 def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_checks: int) -> dict:
     """Train once, attribute with each preconditioner, score the baselines; the figures of every method."""
-    from gradian.api import attribute, index, open_session
-    from gradian.baselines import compute_baselines
+    from gradian.pipeline import attribute, index_stage
+    from gradian.setup.session import open_session
+    from gradian.explain.baselines import compute_baselines
     from gradian.config import load_config
-    from gradian.scoring import aggregate, rank
+    from gradian.attribution.scoring import aggregate, rank
 
     t_run = time.process_time()
     sc, d, cfg_path, base = prepare(name, seed, out)
@@ -268,7 +270,8 @@ def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_che
         cfg = load_config(cfg_path, [f"output=out-{default}"])
         t0 = time.process_time()
         s = open_session(cfg)
-        capture, idx, row_keys, _info = index(s)
+        ix = index_stage(s)
+        capture, idx, row_keys = ix.capture, ix.index, ix.row_keys
         timings: dict[str, float] = {}
         try:
             per_item = compute_baselines(s, qitems, which=base_methods, capture=capture, index=idx, row_keys=row_keys,
@@ -293,8 +296,8 @@ def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_che
 
 def _clusters_for(scores, s, idx, row_keys, seed):
     try:
-        from gradian.clusters import score_clusters
-        from gradian.precondition import RowSource
+        from gradian.explain.clusters import score_clusters
+        from gradian.store.rows import RowSource
     except ImportError:
         return None
     return score_clusters(scores, [e.plain_text() for e in s.examples], seed=seed,
@@ -303,7 +306,8 @@ def _clusters_for(scores, s, idx, row_keys, seed):
 
 def single_poison_checks(cfg_path: Path, truth: dict, n: int) -> list[dict]:
     """Retrain with all but one poison zero-weighted: does that one row alone flip the target items?"""
-    from gradian.api import evaluate, open_session
+    from gradian.pipeline import evaluate
+    from gradian.setup.session import open_session
     from gradian.config import load_config
 
     out = []

@@ -100,7 +100,8 @@ def prepare(work: Path, seed: int) -> tuple[Path, str]:
     from gradian.demo.run import write_demo_config
     from gradian.demo.tiny import TinySpec, build_tiny_base
     from gradian.demo.world import World
-    from gradian.train import read_recipe, train_adapter
+    from gradian.training.recipe import read_recipe
+    from gradian.training.loop import train_adapter
 
     spec = TinySpec()
     base = build_tiny_base(spec, progress=False)
@@ -117,11 +118,11 @@ def prepare(work: Path, seed: int) -> tuple[Path, str]:
         source = "bench fallback scenario (gradian.demo.scenario missing)"
     cfg_path = write_demo_config(run_dir, base)
     cfg = load_config(cfg_path)
-    from gradian.data import dataset_fingerprint, load_train
+    from gradian.setup.records import dataset_fingerprint, load_train
 
     rec = read_recipe(run_dir / "adapter")
     fp = dataset_fingerprint(load_train(run_dir / "train.jsonl"))
-    if rec is None or rec.get("dataset_fingerprint") != fp or rec.get("base_fingerprint") is None:
+    if rec is None or rec.dataset_fingerprint != fp or rec.base_fingerprint is None:
         log("training the scenario's LoRA adapter ...")
         train_adapter(cfg, progress=False)
     torch.set_num_threads(1)
@@ -130,7 +131,7 @@ def prepare(work: Path, seed: int) -> tuple[Path, str]:
 
 def pool_examples(world, n_extra: int, start: int):
     """Extra training-shaped rows from the same world (every phrasing of every fact, then fact statements)."""
-    from gradian.data import Example
+    from gradian.setup.records import Example
 
     out = []
     for e, a in world.fact_pairs():
@@ -154,7 +155,7 @@ def batches_of(toks, bs: int):
 
 
 def exact_vectors(capture, toks, pad: int, bs: int) -> np.ndarray:
-    from gradian.data import collate
+    from gradian.setup.batches import collate
 
     out = np.zeros((len(toks), capture.dim), dtype=np.float32)
     for batch in batches_of(toks, bs):
@@ -199,15 +200,15 @@ def fit_from_flat(proj, shapes, flat: np.ndarray, positions, bs: int) -> None:
 
 
 def scores_of(q: np.ndarray, rows: np.ndarray, sign: float) -> np.ndarray:
-    from gradian.scoring import harm_from_inner, unit_queries
+    from gradian.attribution.scoring import harm_from_inner, unit_queries
 
     return sign * harm_from_inner(unit_queries(q) @ rows.T)
 
 
 def reranked(S_e: np.ndarray, S_p: np.ndarray, R: int) -> np.ndarray:
     """Per query: the order a user reads (top-R projected candidates re-scored exactly, first) as pseudo-scores."""
-    from gradian.fidelity_check import order_scores, rerank_order
-    from gradian.scoring import rank
+    from gradian.attribution.rerank import order_scores, rerank_order
+    from gradian.attribution.scoring import rank
 
     out = np.empty_like(S_p, dtype=np.float64)
     for i in range(S_p.shape[0]):
@@ -217,8 +218,8 @@ def reranked(S_e: np.ndarray, S_p: np.ndarray, R: int) -> np.ndarray:
 
 
 def fidelity_pair(S_e: np.ndarray, S_p: np.ndarray, R: int) -> dict:
-    from gradian.fidelity_check import agreement
-    from gradian.scoring import aggregate
+    from gradian.attribution.rerank import agreement
+    from gradian.attribution.scoring import aggregate
 
     rr = agreement(S_e, reranked(S_e, S_p, R))
     rr.pop("pearson", None)
@@ -234,8 +235,8 @@ def fidelity_pair(S_e: np.ndarray, S_p: np.ndarray, R: int) -> dict:
 
 def measure_overhead(model, captures: dict, toks, pad: int, bs: int, n_batches: int, reps: int) -> dict:
     """Median CPU seconds per pass over the same batches: plain forward+backward vs each hooked capture."""
-    from gradian.data import collate
-    from gradian.loss import per_example_loss
+    from gradian.setup.batches import collate
+    from gradian.grads.objectives import per_example_loss
 
     allb = batches_of(toks, bs)
     pick = [allb[int(j)] for j in np.linspace(0, len(allb) - 1, min(n_batches, len(allb)))]
@@ -296,10 +297,11 @@ def random_lora_model(hidden: int, layers: int, r: int, vocab: int = 4096, seed:
 
 def overhead_larger(hidden: int, layers: int, r: int, batch: int, seq: int, n_batches: int, reps: int) -> dict:
     """The same overhead measurement on a random model of a less toy-like shape (fixed per-op costs weigh less)."""
-    from gradian.capture import GradientCapture, site_shapes
-    from gradian.data import Tokenized
-    from gradian.modeling import lora_sites
-    from gradian.projection import Projector
+    from gradian.grads.capture import GradientCapture
+    from gradian.grads.layout import site_shapes
+    from gradian.setup.tokenize import Tokenized
+    from gradian.setup.model import lora_sites
+    from gradian.projection.projector import Projector
 
     model = random_lora_model(hidden, layers, r)
     sites, _ = lora_sites(model)
@@ -334,7 +336,8 @@ def loss_child(variant: str, chunk: int, ref: str) -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gradian.loss import backbone_hidden, chunked_head_loss, naive_per_example_loss, supervised_positions
+    from gradian.grads.lm_head import backbone_hidden, chunked_head_loss
+    from gradian.grads.objectives import naive_per_example_loss, supervised_positions
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=LOSS_VOCAB, hidden_size=LOSS_HIDDEN, intermediate_size=2 * LOSS_HIDDEN,
@@ -407,7 +410,7 @@ def module_filter_ratio() -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gradian.modeling import lora_sites
+    from gradian.setup.model import lora_sites
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -424,7 +427,7 @@ def module_filter_ratio() -> dict:
 
 def bytes_per_example(dims: dict, work: Path) -> dict:
     """Measured on disk: a 64-row index per setting, shard files (rows + norms) / rows."""
-    from gradian.index import GradientIndex
+    from gradian.store.index import GradientIndex
 
     out = {}
     rng = np.random.default_rng(0)
@@ -445,8 +448,8 @@ def fp16_recall(S_e_fn, vecs: np.ndarray, work: Path, dtype: str) -> dict:
     """Top-50 recall of scores read back from a `dtype` index vs the float32 scores of the same vectors, worst
     query; with the worst query's gap between its 50th and 51st float32 scores and its largest score error, so a
     miss can be told apart as a near-tie at the boundary (gap < error) or a real loss."""
-    from gradian.fidelity_check import topk_recall
-    from gradian.index import GradientIndex
+    from gradian.attribution.rerank import topk_recall
+    from gradian.store.index import GradientIndex
 
     root = work / f"fp16-{dtype}"
     shutil.rmtree(root, ignore_errors=True)
@@ -464,7 +467,7 @@ def fp16_recall(S_e_fn, vecs: np.ndarray, work: Path, dtype: str) -> dict:
 
 
 def scoring_throughput(work: Path, mb: int, dim: int, queries: int, dtype: str) -> dict:
-    from gradian.index import GradientIndex
+    from gradian.store.index import GradientIndex
 
     root = work / f"score-{dtype}"
     shutil.rmtree(root, ignore_errors=True)
@@ -513,15 +516,17 @@ def main() -> None:
         loss_child(args.loss_child, args.chunk, args.ref)
         return
 
-    from gradian.api import evaluate, open_session
-    from gradian.capture import GradientCapture, site_shapes
+    from gradian.pipeline import evaluate
+    from gradian.setup.session import open_session
+    from gradian.grads.capture import GradientCapture
+    from gradian.grads.layout import site_shapes
     from gradian.config import GradsConfig, load_config
-    from gradian.data import tokenize_example
+    from gradian.setup.tokenize import tokenize_example
     from gradian.demo.tiny import TinySpec
     from gradian.demo.world import World
-    from gradian.indexing import basis_sample
-    from gradian.projection import DEFAULT_FIT_ROWS, Projector
-    from gradian.query import query_items, query_vectors, select_failing
+    from gradian.store.build import basis_sample
+    from gradian.projection.projector import DEFAULT_FIT_ROWS, Projector
+    from gradian.attribution.queries import query_items, query_vectors, select_failing
 
     t_all = time.time()
     skip = set(filter(None, args.skip.split(",")))

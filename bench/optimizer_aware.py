@@ -42,7 +42,7 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 
 def replay_recording(cfg, recipe, sites_order):
     """Retrain with the recipe, recording per step: update u, bias-corrected v, clipped batch grad g, clip factor."""
-    from gradian import train as train_mod
+    import gradian.training.loop as train_mod
 
     rec: dict = {"u": [], "v": [], "g": [], "c": []}
     orig_clip = torch.nn.utils.clip_grad_norm_
@@ -98,18 +98,21 @@ def main(argv=None) -> int:
 
     from peft import LoraConfig, get_peft_model
 
-    from gradian import api
-    from gradian.capture import GradientCapture, site_shapes
-    from gradian.checkpoints import replayed_adapters
+    from gradian.attribution.engine import ScoringSettings
+    from gradian.grads.capture import GradientCapture
+    from gradian.grads.layout import site_shapes
+    from gradian.attribution.checkpoints import replayed_adapters
     from gradian.config import load_config
-    from gradian.data import collate
-    from gradian.fidelity import _corr, _query_items, _scores_for, lds
-    from gradian.modeling import load_base
-    from gradian.projection import Projector
-    from gradian.query import query_vectors
+    from gradian.setup.batches import collate
+    from gradian.pipeline import index_stage
+    from gradian.setup.session import open_session
+    from gradian.validate.fidelity import correlations as _corr, lds, report_queries as _query_items, scores_with
+    from gradian.setup.model import load_base
+    from gradian.projection.projector import Projector
+    from gradian.attribution.queries import query_vectors
     from gradian.runtime import seed_everything
-    from gradian.train import data_order
-    from gradian.verify import load_recipe
+    from gradian.training.loop import data_order
+    from gradian.training.recipe import load_recipe
 
     cfg = load_config(args.config, args.overrides)
     fid_path = cfg.output_dir / "fidelity.json"
@@ -119,12 +122,12 @@ def main(argv=None) -> int:
     report = json.loads((cfg.output_dir / "report.json").read_text())
     qitems, direction = _query_items(report)
     recipe, _ = load_recipe(cfg)
-    hp = recipe["hyperparameters"]
-    E, B, lr, seed = int(hp["epochs"]), int(hp["batch_size"]), float(hp["learning_rate"]), int(recipe["seed"])
+    hp = recipe.hp
+    E, B, lr, seed = int(hp["epochs"]), int(hp["batch_size"]), float(hp["learning_rate"]), int(recipe.seed)
     if direction != "regression":
         sys.exit("this measurement assumes a regression (the demo scenarios)")
 
-    s = api.open_session(cfg)
+    s = open_session(cfg)
     n = len(s.examples)
 
     def sites_order(params):
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         c2 = cfg.model_copy(deep=True)
         c2.root = cfg.root
         c2.model.adapter = str(p)
-        sub = api.open_session(c2)
+        sub = open_session(c2)
         cap = GradientCapture(sub.model, sub.sites, Projector(site_shapes(sub.sites)), chunk=cfg.grads.loss_chunk_tokens)
         rows = []
         for i in range(0, n, cfg.grads.batch_size):
@@ -200,11 +203,11 @@ def main(argv=None) -> int:
             D1[:, i] += lr * (q1 @ dg)
             D2[:, i] += q2 @ dg
 
-    idx_cap, idx, keys, _ = api.index(s)
+    ix = index_stage(s)
     try:
-        P0 = _scores_for(s, idx_cap, idx, keys, qitems, direction, cfg.attribution.preconditioner)
+        P0 = scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction))
     finally:
-        idx.close()
+        ix.close()
     A = np.array(fid["lds"]["actual"])
     subs = fid["lds"]["removed"]
     loo = fid["loo"]["rows"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradian.capture import GradientCapture
-from gradian.modeling import lora_sites
+from gradian.grads.capture import GradientCapture
+from gradian.setup.model import lora_sites
 
 from conftest import with_random_lora_b
 from test_capture import _batch, _naive_grads, _rel

@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradian.baselines import (
-    bm25_scores, bm25_tokenize, cosine_matrix, gradient_cosine, index_row_norms, mean_hidden_states,
-    representation_similarity,
-)
+from gradian.explain.baselines import bm25_scores, bm25_tokenize, cosine_matrix, gradient_cosine, index_row_norms, mean_hidden_states, representation_similarity
 
 
 def test_bm25_tokenize():
@@ -55,7 +52,8 @@ def test_cosines():
 
 
 def test_representation_similarity_ranks_an_identical_row_first(tiny_lora):
-    from gradian.data import Example, tokenize_example
+    from gradian.setup.records import Example
+    from gradian.setup.tokenize import tokenize_example
 
     model, tok = tiny_lora
     texts = ["user: Where does Zorvath live?", "The library keeps a book on fire.", "Children in Oslo learn the harp."]
@@ -68,10 +66,12 @@ def test_representation_similarity_ranks_an_identical_row_first(tiny_lora):
 
 
 def test_gradient_cosine_ranks_an_identical_row_first(tiny_lora, tmp_path):
-    from gradian.capture import GradientCapture
-    from gradian.data import Example, collate, tokenize_example
-    from gradian.index import GradientIndex
-    from gradian.modeling import lora_sites
+    from gradian.grads.capture import GradientCapture
+    from gradian.setup.records import Example
+    from gradian.setup.batches import collate
+    from gradian.setup.tokenize import tokenize_example
+    from gradian.store.index import GradientIndex
+    from gradian.setup.model import lora_sites
 
     model, tok = tiny_lora
     sites, _ = lora_sites(model, None)

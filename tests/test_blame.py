@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradian.blame import fine_tune_share, item_statement, row_verdict, summarize
+from gradian.explain.blame import fine_tune_share, item_statement, row_verdict, summarize
 
 torch.set_num_threads(1)
 
@@ -45,10 +45,11 @@ def test_fine_tune_share_and_statements():
 
 def test_margin_vectors_are_the_gradient_of_the_margin_loss(random_lora_model):
     """The hooked per-example margin gradient equals autograd on the LoRA weights, example by example."""
-    from gradian.capture import GradientCapture
-    from gradian.data import Tokenized, collate
-    from gradian.modeling import lora_sites
-    from gradian.query import margin_losses, margin_vectors
+    from gradian.grads.capture import GradientCapture
+    from gradian.setup.tokenize import Tokenized
+    from gradian.setup.batches import collate
+    from gradian.setup.model import lora_sites
+    from gradian.grads.objectives import margin_losses
 
     model = random_lora_model
     sites, _ = lora_sites(model)
@@ -56,7 +57,7 @@ def test_margin_vectors_are_the_gradient_of_the_margin_loss(random_lora_model):
     toks = [Tokenized([5, 9, 11, 40, 41, 42], [False, False, False, True, True, True], ""),
             Tokenized([7, 8, 50, 51], [False, False, True, True], "")]
     ids, attn, sup = collate(toks, 0)
-    vecs, losses = margin_vectors(cap, ids, attn, sup)
+    vecs, losses = cap.margin_vectors(ids, attn, sup)
     params = [p for s in sites for p in (s.A.weight, s.B.weight)]
     for b, t in enumerate(toks):
         i1, a1, s1 = collate([t], 0)
@@ -70,9 +71,9 @@ def test_margin_vectors_are_the_gradient_of_the_margin_loss(random_lora_model):
 
 
 def test_loglik_items_use_contrastive_or_margin_never_silent_classic():
-    from gradian.capability import CapabilityResult
-    from gradian.data import EvalItem
-    from gradian.query import query_items
+    from gradian.capability.evaluate import CapabilityResult
+    from gradian.setup.records import EvalItem
+    from gradian.attribution.queries import query_items
 
     items = [EvalItem("a", 0, "Madrid", prompt="Where?"), EvalItem("b", 1, "blue", prompt="Color?"),
              EvalItem("c", 2, "owl", prompt="Pet?")]
@@ -91,7 +92,7 @@ def test_loglik_items_use_contrastive_or_margin_never_silent_classic():
 def demo_report(tmp_path_factory):
     from test_precondition import trained_demo
 
-    from gradian.api import attribute
+    from gradian.pipeline import attribute
     from gradian.config import load_config
 
     run = tmp_path_factory.mktemp("blame-demo")
@@ -145,7 +146,7 @@ def test_report_carries_spans_clusters_and_preconditioner(demo_report):
 def test_loglik_metric_uses_the_margin_query_and_says_so(demo_report, tmp_path):
     import shutil
 
-    from gradian.api import attribute
+    from gradian.pipeline import attribute
     from gradian.config import load_config
 
     run, _, truth = demo_report

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from gradian.capability import contains, exact_match, min_detectable_delta, paired_bootstrap
+from gradian.capability.metrics import contains, exact_match, min_detectable_delta, paired_bootstrap
 
 
 def test_metrics_normalisation():

@@ -2,9 +2,9 @@
 
 import torch
 
-from gradian.capture import GradientCapture
-from gradian.loss import naive_per_example_loss, per_example_loss
-from gradian.modeling import lora_sites
+from gradian.grads.capture import GradientCapture
+from gradian.grads.objectives import naive_per_example_loss, per_example_loss
+from gradian.setup.model import lora_sites
 
 from conftest import make_random_lora_model
 

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 
 def test_checkpoint_epochs_are_evenly_spaced_and_end_at_the_last():
-    from gradian.checkpoints import checkpoint_epochs
+    from gradian.attribution.checkpoints import checkpoint_epochs
 
     assert checkpoint_epochs(16, 8) == [2, 4, 6, 8, 10, 12, 14, 16]
     assert checkpoint_epochs(8, 4) == [2, 4, 6, 8]
@@ -26,7 +26,7 @@ def test_checkpoint_epochs_are_evenly_spaced_and_end_at_the_last():
 
 
 def test_average_is_the_equal_weight_mean():
-    from gradian.checkpoints import average
+    from gradian.attribution.checkpoints import average
 
     a, b, c = np.array([[1.0, -2.0]]), np.array([[3.0, 0.0]]), np.array([[-1.0, 5.0]])
     np.testing.assert_array_equal(average(a, [b, c]), np.array([[1.0, 1.0]]))
@@ -36,7 +36,7 @@ def test_average_is_the_equal_weight_mean():
 @pytest.fixture(scope="module")
 def two_epoch_run(tmp_path_factory):
     from gradian.config import load_config
-    from gradian.train import train_adapter
+    from gradian.training.loop import train_adapter
 
     d = tmp_path_factory.mktemp("ckpt") / "run"
     cfg = load_config(write_tiny_run(d, n_rows=24, n_planted=2, n_control_eval=2, train={"epochs": 2}))
@@ -51,15 +51,15 @@ def _tensors(path):
 
 
 def test_replayed_checkpoint_is_the_shorter_run_bit_for_bit(two_epoch_run, tmp_path):
-    from gradian.checkpoints import replayed_adapters
-    from gradian.train import read_recipe, train_adapter
+    from gradian.attribution.checkpoints import replayed_adapters
+    from gradian.training.recipe import read_recipe
+    from gradian.training.loop import train_adapter
 
     cfg = two_epoch_run
     adapter = str(cfg.path(cfg.model.adapter))
     paths, epochs = replayed_adapters(cfg, adapter, 2, progress=False)
-    assert epochs == [1] and len(paths) == 1 and read_recipe(paths[0])["hyperparameters"]["epochs"] == 1
-    short = dict(read_recipe(adapter))
-    short["hyperparameters"] = {**short["hyperparameters"], "epochs": 1}
+    assert epochs == [1] and len(paths) == 1 and read_recipe(paths[0]).hyperparameters.epochs == 1
+    short = read_recipe(adapter).with_epochs(1)
     ref = train_adapter(cfg, out_dir=tmp_path / "one-epoch", recipe=short, progress=False)
     ta, tb = _tensors(paths[0]), _tensors(ref)
     assert ta.keys() == tb.keys() and len(ta) > 0
@@ -82,15 +82,15 @@ def test_replayed_checkpoint_is_the_shorter_run_bit_for_bit(two_epoch_run, tmp_p
 
 
 def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
-    from gradian import api
-    from gradian.checkpoints import replayed_adapters
-    from gradian.scoring import aggregate
+    from gradian.pipeline import attribute
+    from gradian.attribution.checkpoints import replayed_adapters
+    from gradian.attribution.scoring import aggregate
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
     cfg.output = str(tmp_path / "out")
     cfg.attribution.checkpoints = 2
-    rep = api.attribute(cfg)
+    rep = attribute(cfg)
     assert rep["verdict"] == "attributed"
     ck = rep["query"]["checkpoints"]
     assert ck["count"] == 2 and ck["labels"] == ["epoch-1", "final"]
@@ -99,7 +99,9 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
 
     # the same scores by hand: each adapter scored alone (checkpoints=1), then averaged
     qitems = [it for it in rep["query"]["items"]]
-    from gradian.query import QueryItem
+    from gradian.attribution.queries import QueryItem
+    from gradian.pipeline import index_stage, score_adapter
+    from gradian.setup.session import open_session
 
     q = [QueryItem(int(i["item"]), i["prompt"], i["expected"], i["generated"], i.get("base_generated", ""),
                    i["formulation"]) for i in qitems]
@@ -111,10 +113,10 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
         c.root = cfg.root
         c.model.adapter = adapter
         c.attribution.checkpoints = 1
-        s = api.open_session(c)
-        capture, idx, keys, _ = api.index(s)
-        per.append(api.score_items(s, capture, idx, keys, q, direction, details=True).rank_item)
-        idx.close()
+        s = open_session(c)
+        ix = index_stage(s)
+        per.append(score_adapter(s, ix, q, direction).rank_item)
+        ix.close()
     want = aggregate((per[0] + per[1]) / 2)
     np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-7)
     # and it differs from the final adapter's scores alone
@@ -124,7 +126,7 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
 def test_no_recipe_flags_and_uses_the_final_adapter(two_epoch_run, tmp_path):
     import shutil
 
-    from gradian import api
+    from gradian.pipeline import attribute
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
@@ -134,15 +136,15 @@ def test_no_recipe_flags_and_uses_the_final_adapter(two_epoch_run, tmp_path):
     cfg.model.adapter = str(foreign)
     cfg.output = str(tmp_path / "out")
     cfg.attribution.checkpoints = 4
-    rep = api.attribute(cfg)
+    rep = attribute(cfg)
     assert "checkpoints" not in rep["query"]
     flag = [f for f in rep["flags"] if f["id"] == "attribution.no_checkpoints"]
     assert flag and "checkpoint_adapters" in flag[0]["fix"]
 
 
 def test_explicit_checkpoint_adapter_must_exist(two_epoch_run, tmp_path):
-    from gradian import api
-    from gradian.checkpoints import explicit_adapters
+    from gradian.pipeline import attribute
+    from gradian.attribution.checkpoints import explicit_adapters
     from gradian.errors import CheckFailed, ConfigError
 
     cfg = two_epoch_run.model_copy(deep=True)
@@ -151,7 +153,7 @@ def test_explicit_checkpoint_adapter_must_exist(two_epoch_run, tmp_path):
     cfg.attribution.checkpoint_adapters = ["no/such/checkpoint-100"]
     # the setup checks stop `attribute` before anything runs (config.paths names the key) ...
     with pytest.raises(CheckFailed, match=r"config.paths: attribution.checkpoint_adapters\[0\].*checkpoint-100"):
-        api.attribute(cfg)
+        attribute(cfg)
     # ... and the API that resolves them refuses on its own too
     with pytest.raises(ConfigError, match=r"attribution.checkpoint_adapters\[0\].*checkpoint-100"):
         explicit_adapters(cfg)
@@ -162,8 +164,8 @@ def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epo
     """An adapter trained elsewhere lists its saved checkpoints; with the same checkpoint the scores are the same."""
     import shutil
 
-    from gradian import api
-    from gradian.checkpoints import replayed_adapters
+    from gradian.pipeline import attribute
+    from gradian.attribution.checkpoints import replayed_adapters
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
@@ -172,11 +174,11 @@ def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epo
     shutil.copytree(early, saved)
     cfg.output = str(tmp_path / "replayed")
     cfg.attribution.checkpoints = 2
-    api.attribute(cfg)
+    attribute(cfg)
     cfg.output = str(tmp_path / "listed")
     cfg.attribution.checkpoints = 1
     cfg.attribution.checkpoint_adapters = [str(saved)]
-    rep = api.attribute(cfg)
+    rep = attribute(cfg)
     assert rep["query"]["checkpoints"]["labels"] == ["checkpoint-3", "final"]
     np.testing.assert_array_equal(np.load(tmp_path / "listed" / "scores.npy"),
                                   np.load(tmp_path / "replayed" / "scores.npy"))
@@ -185,8 +187,8 @@ def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epo
 def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, tmp_path):
     """`gradian train` keeps epoch 1 of 2 inside the adapter (bit-identical to the replay), and the default
     attribution.checkpoints: auto averages over it without replaying anything."""
-    from gradian import api
-    from gradian.checkpoints import replayed_adapters, saved_adapters
+    from gradian.pipeline import attribute
+    from gradian.attribution.checkpoints import replayed_adapters, saved_adapters
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
@@ -198,12 +200,12 @@ def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cfg.attribution.checkpoints == "auto"
     cfg.output = str(tmp_path / "auto")
-    rep = api.attribute(cfg)
+    rep = attribute(cfg)
     ck = rep["query"]["checkpoints"]
     assert ck["labels"] == ["epoch-1", "final"] and ck["source"] == "saved" and ck["setting"] == "auto"
     cfg.output = str(tmp_path / "one")
     cfg.attribution.checkpoints = 1
-    rep1 = api.attribute(cfg)
+    rep1 = attribute(cfg)
     assert "checkpoints" not in rep1["query"]
     assert not np.allclose(np.load(tmp_path / "auto" / "scores.npy"), np.load(tmp_path / "one" / "scores.npy"),
                            rtol=1e-3, atol=1e-6)
@@ -212,7 +214,7 @@ def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, t
 def test_saved_adapters_finds_trainer_checkpoints(tmp_path):
     """A Trainer's output_dir: checkpoint-<step> folders beside (inside) the final adapter, in step order; when
     the adapter is itself a checkpoint folder, its earlier siblings."""
-    from gradian.checkpoints import evenly, saved_adapters
+    from gradian.attribution.checkpoints import evenly, saved_adapters
 
     out = tmp_path / "trainer-out"
     for step in (500, 20, 100, 1000):
@@ -225,3 +227,25 @@ def test_saved_adapters_finds_trainer_checkpoints(tmp_path):
     assert [p.name for p in saved_adapters(str(out / "checkpoint-500"))] == ["checkpoint-20", "checkpoint-100"]
     assert saved_adapters(str(tmp_path / "nothing-here")) == []
     assert evenly(list(range(1, 8)), 3) == [2, 5, 7] and evenly([1, 2], 5) == [1, 2] and evenly([1, 2], 0) == []
+
+
+def test_checkpoints_load_onto_one_base(two_epoch_run, tmp_path, monkeypatch):
+    """Scores over the saved checkpoints load the base model once: each checkpoint is a named adapter on it."""
+    import transformers
+
+    from gradian.pipeline import attribute
+
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+    calls = []
+
+    def counting(cls, *a, **kw):
+        calls.append(a[0] if a else kw.get("pretrained_model_name_or_path"))
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    cfg = two_epoch_run.model_copy(deep=True)
+    cfg.root = two_epoch_run.root
+    cfg.output = str(tmp_path / "out")
+    rep = attribute(cfg)
+    assert rep["query"]["checkpoints"]["count"] == 2
+    assert len(calls) == 1, calls

@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradian.clusters import (
-    benjamini_hochberg, gradient_clusters, permutation_pvalues, score_clusters, text_clusters,
-)
+from gradian.explain.clusters import benjamini_hochberg, gradient_clusters, permutation_pvalues, score_clusters, text_clusters
 
 
 def test_bh_on_a_known_example():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from gradian.data import load_eval, load_train
+from gradian.setup.records import load_eval, load_train
 from gradian.errors import DataError
 
 

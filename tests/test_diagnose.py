@@ -11,7 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from gradian import checks
-from gradian.checks import REGISTRY, CheckResult, Context, flags_from_checks, run_checks, run_checks_for_session
+from gradian.checks import estimates, resources, setup_checks
+from gradian.checks.estimates import human
+from gradian.checks import ORDER, REGISTRY, CheckResult, Context, flags_from_checks, run_checks, run_checks_for_session
 from gradian.cli import app
 from gradian.config import load_config
 from gradian.errors import CheckFailed
@@ -64,7 +66,8 @@ def run(tmp_path, zoo, **kw) -> Path:
 def test_good_setup_passes_every_check_and_json_format(tmp_path, zoo):
     code, by_id, rows = diagnose(run(tmp_path, zoo))
     assert code == 0
-    assert [r["id"] for r in rows] == list(REGISTRY), "every registered check is reported, in order"
+    assert [r["id"] for r in rows] == list(ORDER) and set(ORDER) == set(REGISTRY), \
+        "every registered check is reported, in order"
     for r in rows:
         assert set(r) == KEYS
         assert r["level"] in ("error", "warning", "info") and r["status"] in ("pass", "fail", "skip")
@@ -147,7 +150,7 @@ def test_device_mps_not_auto(tmp_path, zoo, monkeypatch):
 
 
 def test_runtime_threads(tmp_path, zoo, monkeypatch):
-    monkeypatch.setattr(checks, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(setup_checks, "cpu_count", lambda: 2)
     cfg_path = run(tmp_path, zoo)
     (r,) = run_checks(Context(load_config(cfg_path, ["model.threads=2"])), ["runtime.threads"])
     assert (r.status, r.level) == ("fail", "warning") and "model.threads = 2" in r.message and "2 CPU core" in r.message
@@ -366,7 +369,7 @@ def test_evaluation_small_eval_set(tmp_path, zoo):
     code, by_id, _ = diagnose(run(tmp_path, zoo, eval=GOOD_EVAL[:10]))
     assert code == 0
     r = assert_fails(by_id, "evaluation.small_eval_set", "warning", "10 eval items", "eval.jsonl")
-    from gradian.capability import min_detectable_delta
+    from gradian.capability.metrics import min_detectable_delta
 
     assert f"{min_detectable_delta(10, 0.95):.2f}" in r["message"]
 
@@ -382,8 +385,8 @@ def test_memory_logit_upcast(tmp_path, zoo, monkeypatch):
     (r,) = run_checks(Context(cfg), ["memory.logit_upcast"])
     assert r.status == "pass"
     vocab = 300
-    assert checks._human(16 * vocab * 4) in r.message and checks._human(4 * 64 * vocab * 4) in r.message
-    monkeypatch.setattr(checks, "_mem_available", lambda: 1000)
+    assert human(16 * vocab * 4) in r.message and human(4 * 64 * vocab * 4) in r.message
+    monkeypatch.setattr(estimates, "mem_available", lambda: 1000)
     (r,) = run_checks(Context(cfg), ["memory.logit_upcast"])
     assert (r.status, r.level) == ("fail", "warning") and "grads.loss_chunk_tokens" in r.message
 
@@ -394,17 +397,17 @@ def test_index_size(tmp_path, zoo, monkeypatch):
     ctx = Context(cfg)
     (r,) = run_checks(ctx, ["index.size"])
     assert r.status == "pass"
-    from gradian.capture import site_shapes
-    from gradian.projection import Projector
+    from gradian.grads.layout import site_shapes
+    from gradian.projection.projector import Projector
 
     sites, _ = ctx.sites
     dim = Projector(site_shapes(sites), 256).dim
-    assert f"dim {dim}" in r.message and checks._human(len(GOOD_TRAIN) * (dim * 2 + 4)) in r.message
+    assert f"dim {dim}" in r.message and human(len(GOOD_TRAIN) * (dim * 2 + 4)) in r.message
 
     class _Usage:
         free = 10
 
-    monkeypatch.setattr(checks.shutil, "disk_usage", lambda p: _Usage())
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda p: _Usage())
     (r,) = run_checks(Context(cfg), ["index.size"])
     assert (r.status, r.level) == ("fail", "warning") and str(cfg.index_dir) in r.message
     # a projection width the sites cannot have is an error (the index verb would refuse it)
@@ -426,10 +429,10 @@ def test_flags_from_checks():
 
 
 def test_run_checks_for_session(tmp_path, zoo):
-    from gradian import api
+    from gradian.setup.session import open_session
 
     cfg = load_config(run(tmp_path, zoo, eval=GOOD_EVAL[:10], train=GOOD_TRAIN + [GOOD_TRAIN[1]]))
-    s = api.open_session(cfg)
+    s = open_session(cfg)
     results = run_checks_for_session(s)
     assert {r.id for r in results} == set(REGISTRY)
     ids = {f["id"] for f in s.flags}
@@ -437,7 +440,7 @@ def test_run_checks_for_session(tmp_path, zoo):
     assert all(set(f) == {"id", "level", "message", "fix"} for f in s.flags)
     # an error-level check stops attribution with CheckFailed (exit code 2) naming the check
     cfg = load_config(run(tmp_path, zoo, base=zoo.base_small_vocab))
-    s = api.open_session(cfg)
+    s = open_session(cfg)
     with pytest.raises(CheckFailed, match="tokenizer.vocab_mismatch") as ei:
         run_checks_for_session(s)
     assert ei.value.exit_code == 2

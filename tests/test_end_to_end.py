@@ -9,9 +9,11 @@ import pytest
 from gradian import api
 from gradian.config import load_config
 from gradian.demo.run import prepare_demo
-from gradian.query import query_items, query_vectors, select_failing
-from gradian.scoring import harm_from_inner, recall_at_k, unit_queries
-from gradian.train import train_adapter
+from gradian.attribution.queries import query_items, query_vectors, select_failing
+from gradian.attribution.scoring import harm_from_inner, recall_at_k, unit_queries
+from gradian.pipeline import attribute, evaluate, index_stage
+from gradian.setup.session import open_session
+from gradian.training.loop import train_adapter
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,9 @@ def test_attribute_writes_a_report_with_the_schema_fields(demo_run):
     items = on_disk["query"]["items"]
     assert items and all(i["ranking"] and i["generated"] != i["expected"] for i in items)
     assert (run / "report.html").exists()
+    # the public API returns the same report, typed
+    assert report.verdict == "attributed" and report.to_dict()["ranking"] == on_disk["ranking"]
+    assert report.capability.delta == cap["delta"] and report.ranking[0].position == row["position"]
 
 
 def test_planted_rows_rank_at_the_top_as_harmful(demo_run):
@@ -60,19 +65,20 @@ def test_a_row_duplicating_a_query_item_ranks_first_as_helpful(demo_run, tmp_pat
     work = tmp_path / "dup"
     shutil.copytree(run, work, ignore=shutil.ignore_patterns("index"))
     cfg = load_config(work / "gradian.yaml")
-    s = api.open_session(cfg)
-    cap = api.evaluate(s)
+    s = open_session(cfg)
+    cap = evaluate(s)
     failing, _ = select_failing(cap, s.eval_items)
     item = s.eval_items[failing[0]]
     dup = {"messages": [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.answer}]}
     with open(work / "train.jsonl", "a") as f:
         f.write(json.dumps(dup) + "\n")
-    s = api.open_session(cfg)
-    capture, idx, keys, _ = api.index(s)
+    s = open_session(cfg)
+    ix = index_stage(s)
+    capture, idx, keys = ix.capture, ix.index, ix.row_keys
     q = query_items(cap, s.eval_items, [failing[0]], "contrastive")
     qv = query_vectors(capture, s.tokenizer, s.eval_items, q, chat=True, max_len=256, batch_size=8).numpy()
     per_item = harm_from_inner(idx.score(unit_queries(qv), keys))[0]
-    idx.close()
+    ix.close()
     assert int(np.argmin(per_item)) == len(keys) - 1  # the duplicate is the most helpful row
     planted_for_item = [p["position"] for p in truth["planted_facts"] if failing[0] in p["eval_indices"]]
     assert int(np.argmax(per_item)) in planted_for_item  # and that item's planted row the most harmful
@@ -82,7 +88,7 @@ def test_rerun_is_bit_identical(demo_run, tmp_path):
     run, _, truth, _ = demo_run
     work = tmp_path / "again"
     shutil.copytree(run, work, ignore=shutil.ignore_patterns("index", "report*", "scores.npy"))
-    api.attribute(load_config(work / "gradian.yaml"), truth=truth)
+    attribute(load_config(work / "gradian.yaml"), truth=truth)
     assert np.array_equal(np.load(work / "scores.npy"), np.load(run / "scores.npy"))
     a = json.loads((work / "report.json").read_text())
     b = json.loads((run / "report.json").read_text())

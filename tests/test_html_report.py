@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from gradian.errors import GradianError
-from gradian.html_report import _environment, load_run, render_html, split_span, write_html
+from gradian.report.html import environment as _environment, load_run, render_html, write_html
+from gradian.report.sections import split_span
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report_sample.json"
-TEMPLATE = Path(__file__).parents[1] / "src" / "gradian" / "templates" / "report.html.j2"
+TEMPLATE = Path(__file__).parents[1] / "src" / "gradian" / "report" / "templates" / "report.html.j2"
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium; .ci/run installs it)"
@@ -315,12 +316,12 @@ def test_write_html_is_atomic(tmp_path, sample, monkeypatch):
     assert sorted(p.name for p in out.parent.iterdir()) == ["report.html"]
     before = out.read_bytes()
 
-    import gradian.html_report as hr
+    import gradian.io as gio
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(hr.os, "replace", boom)
+    monkeypatch.setattr(gio.os, "replace", boom)
     with pytest.raises(RuntimeError):
         write_html(declined(sample), out)
     assert out.read_bytes() == before  # the old page survives a failed write
@@ -412,16 +413,16 @@ def test_browser_shows_verify_when_given(tmp_path, sample):
 @needs_chromium
 def test_browser_csp_alone_blocks_injected_markup(tmp_path, sample, monkeypatch):
     """Second line of defence: with escaping deliberately broken, the page's CSP still runs nothing."""
-    import gradian.html_report as hr
+    import gradian.report.html as hr
 
-    real = hr._environment
+    real = hr.environment
 
     def unescaped():
         env = real()
         env.autoescape = False
         return env
 
-    monkeypatch.setattr(hr, "_environment", unescaped)
+    monkeypatch.setattr(hr, "environment", unescaped)
     html = render_html(hostile(sample))
     assert SCRIPT in html  # escaping really is off in this test
     dom = chromium(html, tmp_path)

@@ -21,7 +21,8 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, SRC)
     import torch
     torch.set_num_threads(1)
-    from gradian.loss import chunked_head_loss, naive_per_example_loss, supervised_positions
+    from gradian.grads.lm_head import chunked_head_loss
+    from gradian.grads.objectives import naive_per_example_loss, supervised_positions
 
     def status(field):
         for line in open("/proc/self/status"):

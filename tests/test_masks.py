@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from gradian.capture import GradientCapture
-from gradian.data import Example, collate, tokenize_example
-from gradian.modeling import lora_sites
+from gradian.grads.capture import GradientCapture
+from gradian.setup.records import Example
+from gradian.setup.batches import collate
+from gradian.setup.tokenize import tokenize_example
+from gradian.setup.model import lora_sites
 
 from conftest import make_random_lora_model
 from test_capture import _naive_grads, _rel

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from gradian.precondition import (
-    DEFAULT_DAMPING, DEFAULT_KIND, Preconditioner, RowSource, block_slices, datainf_inverse, diagonal_inverse,
-    fisher_inverse_dense, fisher_inverse_woodbury, mean_eigenvalue, precondition,
-)
+from gradian.attribution.precondition import DEFAULT_DAMPING, DEFAULT_KIND, Preconditioner, datainf_inverse, diagonal_inverse, fisher_inverse_dense, fisher_inverse_woodbury, mean_eigenvalue, precondition
+from gradian.store.rows import RowSource
+from gradian.grads.layout import block_slices
 
 torch.set_num_threads(1)
 
@@ -29,7 +28,7 @@ def trained_scenario(dst: Path, name: str = "substitution", seed: int = 0) -> Pa
     Training is deterministic on CPU, so the adapter is cached under GRADIAN_CACHE/test-runs by a hash of everything
     it depends on (data, config, training code, torch version) and copied on later calls."""
     import gradian.demo.run as demo_run
-    import gradian.train as train_mod
+    import gradian.training.loop as train_mod
     from gradian.config import load_config
     from gradian.demo.tiny import cache_root
 
@@ -139,7 +138,7 @@ def test_identity_and_unknown_kind():
 
 def test_streams_from_an_on_disk_index_with_duplicate_rows(tmp_path):
     """Fisher statistics from index shards equal those of the in-memory rows; a key listed twice counts twice."""
-    from gradian.index import GradientIndex
+    from gradian.store.index import GradientIndex
 
     G, Q = _problem(n=10, d=24)
     keys = [f"row{i}" for i in range(10)]
@@ -159,28 +158,29 @@ def test_streams_from_an_on_disk_index_with_duplicate_rows(tmp_path):
 
 
 def _per_item_scores(run: Path, cfg_path: Path, settings, *, checkpoints: bool = False) -> tuple[dict, dict, list]:
-    """Per-item scores for each (preconditioner, damping), through api.score_items on one session: at the final
+    """Per-item scores for each (preconditioner, damping), through pipeline.score_adapter on one session: at the final
     adapter alone, or (checkpoints=True) averaged over the adapter's saved epoch checkpoints as `attribute` reports
     them by default (attribution.checkpoints: auto)."""
-    from gradian import api
-    from gradian.checkpoints import apply as over_checkpoints
+    from gradian.attribution.checkpoints import over_checkpoints
+    from gradian.attribution.engine import ScoringSettings
+    from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
-    from gradian.query import query_items, select_failing
+    from gradian.pipeline import evaluate, index_stage, score_adapter
+    from gradian.setup.session import open_session
 
-    s = api.open_session(load_config(cfg_path))
-    cap = api.evaluate(s)
+    s = open_session(load_config(cfg_path))
+    cap = evaluate(s)
     failing, direction = select_failing(cap, s.eval_items)
     qitems = query_items(cap, s.eval_items, failing, "contrastive")
-    capture, idx, keys, _ = api.index(s)
+    ix = index_stage(s)
     out = {}
     for kind, damping in settings:
-        s.cfg.attribution.preconditioner = kind
-        s.cfg.attribution.damping = damping
-        sc = api.score_items(s, capture, idx, keys, qitems, direction, details=True)
+        sc = score_adapter(s, ix, qitems, direction, preconditioner=kind, damping=damping)
         if checkpoints:
-            assert over_checkpoints(s, sc, qitems, direction)["source"] == "saved"
+            settings_k = ScoringSettings.from_config(s.cfg, direction, preconditioner=kind, damping=damping)
+            assert over_checkpoints(s, sc, qitems, settings_k)["source"] == "saved"
         out[(kind, damping)] = sc.per_item
-    idx.close()
+    ix.close()
     return out, json.loads((run / "truth.json").read_text()), qitems
 
 
@@ -192,7 +192,7 @@ def demo_per_item(tmp_path_factory):
 
 
 def _figures(per_item, truth, qitems):
-    from gradian.scoring import aggregate, auprc, recall_at_k
+    from gradian.attribution.scoring import aggregate, auprc, recall_at_k
 
     agg = aggregate(per_item)
     planted = truth["planted"]

@@ -11,9 +11,13 @@ import pytest
 import torch
 
 import gradian.projection as P
-from gradian.capture import GradientCapture, per_example_site_grads, site_shapes
+from gradian.grads.capture import GradientCapture, per_example_site_grads
+from gradian.grads.layout import site_shapes
 from gradian.errors import ConfigError
-from gradian.projection import BASIS_FILE, Projector, SiteShape, SparseJL, fit_basis, random_matrix
+from gradian.projection.data_aware import BASIS_FILE, fit_basis
+from gradian.projection.projector import Projector
+from gradian.grads.layout import SiteShape
+from gradian.projection.random import SparseJL, random_matrix
 
 torch.set_num_threads(1)
 
@@ -103,7 +107,7 @@ def test_dense_matrices_come_in_seeded_blocks(monkeypatch):
         tall = random_matrix(d, 8, kind=kind, seed=1, name="s", side="A")
         short = random_matrix(P.BLOCK_ROWS, 8, kind=kind, seed=1, name="s", side="A")
         assert torch.equal(tall[: P.BLOCK_ROWS], short)
-        monkeypatch.setattr(P, "DENSE_CACHE_BYTES", 0)
+        monkeypatch.setattr(P.projector, "DENSE_CACHE_BYTES", 0)
         site = [SiteShape("s", 2, d, 4)]
         pr = Projector(site, 32, kind, 1)  # k = 8
         assert pr._dense(site[0], "A", d, torch.device("cpu")) is None  # streamed, never held whole
@@ -122,8 +126,8 @@ def test_sjlt_is_sparse_and_its_sparse_product_matches_dense():
     torch.testing.assert_close(s.apply(x), x @ m, rtol=1e-5, atol=1e-5)
     # the projector uses the CSR product from SJLT_SPARSE_FROM_K on, and it is the same transform
     site = [SiteShape("s", 1, 1000, 2)]
-    pr = Projector(site, 2 * P.SJLT_SPARSE_FROM_K, "sjlt", 0)
-    assert pr.k == P.SJLT_SPARSE_FROM_K and pr._dense(site[0], "A", 1000, torch.device("cpu")) is None
+    pr = Projector(site, 2 * P.random.SJLT_SPARSE_FROM_K, "sjlt", 0)
+    assert pr.k == P.random.SJLT_SPARSE_FROM_K and pr._dense(site[0], "A", 1000, torch.device("cpu")) is None
     dA = torch.randn(4, 1, 1000)
     torch.testing.assert_close(pr.project(0, dA, torch.randn(4, 2, 1))[:, : pr.k], (dA @ pr.matrix(0, "A"))[:, 0],
                                rtol=1e-5, atol=1e-5)
@@ -147,22 +151,6 @@ def test_exact_when_dim_is_none_or_not_smaller():
 
 
 # -------------------------------------------------------------------------------------- LoRA-aware identity
-
-
-@pytest.mark.parametrize("kind", RANDOM + ["data-aware", None])
-def test_projecting_the_inputs_equals_projecting_the_outer_product(kind):
-    """(sum_t gh_t x_t^T) P = sum_t gh_t (x_t^T P), and the same for dB: the projection can run before the outer
-    product, on the hooked inputs, without changing a bit of meaning."""
-    g = torch.Generator().manual_seed(1)
-    B, T = 3, 11
-    pr = Projector(SITES, None if kind is None else 160, kind or "rademacher", 2)
-    if kind == "data-aware":
-        fit_basis(pr, [_grads(SITES, 6, seed=s) for s in range(3)])
-    for i, s in enumerate(SITES):
-        x, gh = torch.randn(B, T, s.d_in, generator=g), torch.randn(B, T, s.r, generator=g)
-        h, gz = torch.randn(B, T, s.r, generator=g), torch.randn(B, T, s.d_out, generator=g)
-        dA, dB = per_example_site_grads(x, gh, h, gz)
-        torch.testing.assert_close(pr.project_inputs(i, x, gh, h, gz), pr.project(i, dA, dB), rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ data-aware
@@ -223,21 +211,22 @@ def test_frequent_directions_sketch_finds_the_gram_directions(monkeypatch):
     fit = [_grads(sites, 40, seed=s, rank=5) for s in range(2)]
     gram = Projector(sites, 40, "data-aware", 0)
     fit_basis(gram, fit)
-    monkeypatch.setattr(P, "GRAM_MAX_D", 100)
+    monkeypatch.setattr(P.data_aware, "GRAM_MAX_D", 100)
     sketch = Projector(sites, 40, "data-aware", 0)
     fit_basis(sketch, fit)
     assert sketch.basis.stage1[("w", "A")].shape == (1200, P.STAGE2_WIDTH // 2)
-    assert P._SideFit(1200, 128).gram is None  # really the sketch path
+    assert P.data_aware.SideFit(1200, 128).gram is None  # really the sketch path
     ug, us = gram.basis.stage1[("w", "A")][:, :5], sketch.basis.stage1[("w", "A")][:, :5]
     torch.testing.assert_close(ug @ ug.T, us @ us.T, rtol=0, atol=1e-4)
 
 
 def test_build_index_fits_stores_and_reuses_the_basis(tmp_path, random_lora_model):
     from gradian.config import config_from_dict
-    from gradian.data import Tokenized
-    from gradian.data import collate
-    from gradian.indexing import build_index, make_projector
-    from gradian.modeling import lora_sites
+    from gradian.setup.tokenize import Tokenized
+    from gradian.setup.batches import collate
+    from gradian.store.build import build_index
+    from gradian.store.build import make_projector
+    from gradian.setup.model import lora_sites
 
     cfg = config_from_dict({"model": {"base": "x"}, "data": {"train": "t.jsonl"}, "output": str(tmp_path),
                             "grads": {"projection_dim": 96, "projection_kind": "data-aware", "batch_size": 4}})
@@ -281,8 +270,8 @@ def test_build_index_fits_stores_and_reuses_the_basis(tmp_path, random_lora_mode
 def test_projection_fit_rows_setting_reaches_the_fit(random_lora_model):
     """grads.projection_fit_rows sets how many rows the data-aware basis is fitted on and is part of the cache key."""
     from gradian.config import config_from_dict
-    from gradian.indexing import make_projector
-    from gradian.modeling import lora_sites
+    from gradian.store.build import make_projector
+    from gradian.setup.model import lora_sites
 
     sites, _ = lora_sites(random_lora_model)
     mk = lambda n: make_projector(config_from_dict({  # noqa: E731

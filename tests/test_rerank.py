@@ -1,6 +1,6 @@
 import numpy as np
 
-from gradian.fidelity_check import agreement, order_scores, rerank_order, spearman_within_top, topk_recall
+from gradian.attribution.rerank import agreement, order_scores, rerank_order, spearman_within_top, topk_recall
 
 
 def test_rerank_puts_candidates_first_in_exact_order():

@@ -8,14 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from gradian.capture import GradientCapture, site_shapes
-from gradian.data import Example, Tokenized, collate, tokenize_example
-from gradian.modeling import lora_sites
-from gradian.projection import Projector
-from gradian.spans import (
-    back_project, best_window, row_spans, sentence_ranges, split_directions, token_char_anchors,
-    token_contributions, unit_ranges, windows,
-)
+from gradian.grads.capture import GradientCapture
+from gradian.grads.layout import site_shapes
+from gradian.setup.records import Example
+from gradian.setup.tokenize import Tokenized, tokenize_example
+from gradian.setup.batches import collate
+from gradian.setup.model import lora_sites
+from gradian.projection.projector import Projector
+from gradian.projection.projector import back_project
+from gradian.attribution.windows import best_window, windows
+from gradian.explain.spans import row_spans, sentence_ranges, token_char_anchors, unit_ranges
+from gradian.grads.layout import split_directions
+from gradian.grads.tangents import token_contributions
 
 torch.set_num_threads(1)
 
@@ -136,13 +140,14 @@ def test_token_anchors_index_the_plain_text(tiny_tokenizer, shape):
 @pytest.fixture(scope="module")
 def demo_long(tmp_path_factory):
     """The trained demo plus one long chat row (a long answer listing training answers, then a copy of a planted
-    wrong turn), scored through api.score_items with per-token windows. (Its filler is high-loss text with large
+    wrong turn), scored through pipeline.score_adapter with per-token windows. (Its filler is high-loss text with large
     gradients: the row is a check of the window arithmetic, not of what ranks first.)"""
     from test_precondition import trained_demo
 
-    from gradian import api
+    from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
-    from gradian.query import query_items, select_failing
+    from gradian.pipeline import evaluate, index_stage, score_adapter
+    from gradian.setup.session import open_session
 
     run = tmp_path_factory.mktemp("spans-demo")
     cfg_path = trained_demo(run)
@@ -156,29 +161,31 @@ def demo_long(tmp_path_factory):
     with open(run / "train.jsonl", "a") as f:
         f.write(json.dumps(long_row) + "\n")
     cfg = load_config(cfg_path)
-    s = api.open_session(cfg)
-    cap = api.evaluate(s)
+    s = open_session(cfg)
+    cap = evaluate(s)
     failing, direction = select_failing(cap, s.eval_items)
     qitems = query_items(cap, s.eval_items, failing, "contrastive")
-    capture, idx, keys, _ = api.index(s)
-    sc = api.score_items(s, capture, idx, keys, qitems, direction, details=True)
-    idx.close()
-    return s, sc, qitems, truth, len(train)
+    ix = index_stage(s)
+    sc = score_adapter(s, ix, qitems, direction)
+    ix.close()
+    return s, sc, qitems, truth, len(train), ix
 
 
 def test_long_row_is_ranked_by_its_best_window(demo_long):
-    from gradian import api
-    from gradian.scoring import aggregate
-    from gradian.spans import best_window
+    from gradian.attribution.engine import ModelGradients
+    from gradian.attribution.rerank import parameter_directions
+    from gradian.attribution.scoring import aggregate
+    from gradian.attribution.windows import best_window
 
-    s, sc, qitems, truth, p_long = demo_long
+    s, sc, qitems, truth, p_long, ix = demo_long
     assert s.toks[p_long].n_supervised > 128 and not s.toks[p_long].truncated
     assert sc.long_rows == [p_long] and sc.window_item_rows == [p_long]
     win = sc.windows[p_long]
     total = aggregate(sc.per_item)[p_long]
     assert _rel(win["total"], total) < 1e-4  # the per-token contributions add up to the index score
     # the ranking score of the long row is its best window, per item and in aggregate; every other row keeps its total
-    res = api._contribs(s, api._dirs_for(sc, False), [p_long])
+    res = ModelGradients.from_session(s, ix.capture).contributions(
+        parameter_directions(sc, ix.capture.projector, False), [p_long])
     cs = np.stack([res[(p_long, k)] for k in range(len(qitems))])
     for k in range(len(qitems)):
         # float32 scores of a long row whose token contributions cancel: the error is relative to their magnitude
@@ -191,7 +198,7 @@ def test_long_row_is_ranked_by_its_best_window(demo_long):
     np.testing.assert_array_equal(sc.rank_agg[others], aggregate(sc.per_item)[others])
     a, b = win["tokens"]
     assert b - a == 128
-    from gradian.spans import window_char_range
+    from gradian.explain.spans import window_char_range
 
     text = s.examples[p_long].plain_text()
     lo, hi = window_char_range(s.examples[p_long], s.toks[p_long], 0, s.toks[p_long].n_supervised, s.tokenizer)
@@ -201,12 +208,13 @@ def test_long_row_is_ranked_by_its_best_window(demo_long):
 
 
 def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
-    from gradian import api
+    from gradian.explain.spans import SPANS_PER_ROW
+    from gradian.pipeline import spans_stage
 
-    s, sc, qitems, truth, p_long = demo_long
+    s, sc, qitems, truth, p_long, ix = demo_long
     planted = truth["planted"]
     rows = [{"position": p} for p in planted[:3] + [p_long]]
-    spans = api._spans(s, sc, rows, qitems)
+    spans = spans_stage(s, ix, sc, rows, qitems)
     pos_item = {q.item: k for k, q in enumerate(qitems)}
     for r in rows:
         ts = r["top_span"]
@@ -218,7 +226,7 @@ def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
         text = s.examples[p].plain_text()
         assert text[ts["start"] : ts["end"]] == ts["text"]
         mine = [sp for sp in spans if sp["position"] == p]
-        assert 1 <= len(mine) <= api.SPANS_PER_ROW and mine[0]["score"] == ts["score"]
+        assert 1 <= len(mine) <= SPANS_PER_ROW and mine[0]["score"] == ts["score"]
     for r in rows[:3]:  # a planted row's top span is its wrong answer
         assert r["top_span"]["text"] == s.examples[r["position"]].record["messages"][-1]["content"]
 
@@ -226,34 +234,39 @@ def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
 def test_projected_index_with_preconditioner_reranks_consistently(demo_long, tmp_path):
     """With a projected index and a preconditioner, a re-ranked candidate's exact score is <r, P(g)> + <e, g>: the
     parameter-space direction P^T r + e reproduces it token by token, and the fidelity check still runs."""
-    from gradian import api
+    from gradian.attribution.engine import ModelGradients
+    from gradian.attribution.queries import query_items, select_failing
+    from gradian.attribution.rerank import parameter_directions
     from gradian.config import load_config
-    from gradian.query import query_items, select_failing
+    from gradian.pipeline import evaluate, index_stage, score_adapter
+    from gradian.setup.session import open_session
 
     s0 = demo_long[0]
     cfg = load_config(s0.cfg.root + "/gradian.yaml", [
         "grads.projection_dim=1024", "grads.rerank=12", "grads.fidelity_sample=40",
         "attribution.preconditioner=diagonal", f"grads.cache_dir={tmp_path / 'ix'}"])
-    s = api.open_session(cfg)
-    cap = api.evaluate(s)
+    s = open_session(cfg)
+    cap = evaluate(s)
     failing, direction = select_failing(cap, s.eval_items)
     qitems = query_items(cap, s.eval_items, failing[:4], "contrastive")
-    capture, idx, keys, _ = api.index(s)
-    assert not capture.projector.exact
-    sc = api.score_items(s, capture, idx, keys, qitems, direction, details=True)
-    idx.close()
+    ix = index_stage(s)
+    keys, proj = ix.row_keys, ix.capture.projector
+    assert not proj.exact
+    sc = score_adapter(s, ix, qitems, direction)
+    ix.close()
+    grads = ModelGradients.from_session(s, ix.capture)
     assert sc.cand.size == 12 and sc.r is not None and sc.e is not None and sc.fidelity is not None
     assert sc.order[:12].tolist() == sc.cand[np.argsort(-sc.rank_agg[sc.cand], kind="stable")].tolist()
-    dirs = api._dirs_for(sc, exact_part=True)
+    dirs = parameter_directions(sc, proj, exact_part=True)
     rows = [int(p) for p in sc.cand[:3]]
-    res = api._contribs(s, dirs, rows)
+    res = grads.contributions(dirs, rows)
     for p in rows:
         for k in range(len(qitems)):
             c = res[(p, k)]
             assert abs(c.sum() - sc.per_item[k, p]) < 1e-4 * max(np.abs(c).sum(), 1e-6)
     # a non-candidate keeps its projected score, reproduced by P^T w
     other = int(next(p for p in range(len(keys)) if p not in set(sc.cand.tolist()) and s.toks[p].n_supervised))
-    res = api._contribs(s, api._dirs_for(sc, exact_part=False), [other])
+    res = grads.contributions(parameter_directions(sc, proj, exact_part=False), [other])
     for k in range(len(qitems)):
         c = res[(other, k)]
         assert abs(c.sum() - sc.per_item[k, other]) < 1e-4 * max(np.abs(c).sum(), 1e-6)

@@ -29,12 +29,13 @@ def _tensors(path):
 
 
 def test_same_recipe_reproduces_bit_for_bit(tiny_cfg, tmp_path):
-    from gradian.train import read_recipe, train_adapter
-    from gradian.verify import adapters_equal
+    from gradian.training.recipe import read_recipe
+    from gradian.training.loop import train_adapter
+    from gradian.validate.retrain import adapters_equal
 
     a = train_adapter(tiny_cfg, out_dir=tmp_path / "a", progress=False)
     recipe = read_recipe(a)
-    assert recipe["excluded_positions"] == [] and recipe["seed"] == tiny_cfg.seed
+    assert recipe.excluded_positions == [] and recipe.seed == tiny_cfg.seed
     b = train_adapter(tiny_cfg, out_dir=tmp_path / "b", recipe=recipe, progress=False)
     c = train_adapter(tiny_cfg, exclude=[], out_dir=tmp_path / "c", recipe=recipe, progress=False)
     ta, tb, tc = _tensors(a), _tensors(b), _tensors(c)
@@ -46,14 +47,14 @@ def test_same_recipe_reproduces_bit_for_bit(tiny_cfg, tmp_path):
     # excluding a row gives another adapter, and the recipe records the removal
     d = train_adapter(tiny_cfg, exclude=[5], out_dir=tmp_path / "d", recipe=recipe, progress=False)
     assert not adapters_equal(a, d)
-    assert read_recipe(d)["excluded_positions"] == [5]
-    assert "zero-weighted" in read_recipe(d)["removal"]
+    assert read_recipe(d).excluded_positions == [5]
+    assert "zero-weighted" in read_recipe(d).removal
 
 
 def test_exclusion_changes_only_steps_from_the_rows_batch(tiny_cfg, monkeypatch):
     """Snapshots of the LoRA weights after every optimizer step: identical before the excluded row's batch,
     different from that step on. The data order does not depend on what is excluded."""
-    from gradian import train as train_mod
+    import gradian.training.loop as train_mod
 
     snaps: list[list[list[torch.Tensor]]] = []
 

@@ -72,9 +72,9 @@ def write_tiny_run(run_dir: Path, *, n_rows: int = 48, n_planted: int = 4, n_con
 @pytest.fixture(scope="module")
 def attributed_run(tmp_path_factory):
     """A trained and attributed tiny run (shared by the tests below; they copy it before changing anything)."""
-    from gradian.api import attribute
+    from gradian.pipeline import attribute
     from gradian.config import load_config
-    from gradian.train import train_adapter
+    from gradian.training.loop import train_adapter
 
     d = tmp_path_factory.mktemp("verify") / "run"
     cfg = load_config(write_tiny_run(d))
@@ -96,7 +96,7 @@ def _cli(*args: str):
 
 
 def test_control_sets_never_include_accused():
-    from gradian.verify import control_sets
+    from gradian.validate.verify import control_sets
 
     accused = [3, 7, 11, 19, 42]
     sets = control_sets(60, 5, accused, 20, seed=0)

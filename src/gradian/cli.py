@@ -1,4 +1,9 @@
-"""`gradian` command line: thin verbs over `gradian.api`. Errors are one paragraph and exit code 2."""
+"""`gradian` command line: thin verbs over `gradian.api`. Errors are one paragraph and exit code 2.
+
+Startup stays light (typer and rich only): torch, transformers, peft, numpy and the rest are imported inside the verb
+bodies, and the libraries' log silencing is applied there too (`_run`), so `gradian --help` answers in a fraction of
+a second. tests/test_startup.py holds this.
+"""
 
 from __future__ import annotations
 
@@ -33,9 +38,17 @@ def _load(config: Path, sets: Optional[List[str]]):
     return load_config(config, sets or [])
 
 
-def _run(fn):
-    """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug)."""
+def _run(fn, quiet_libraries: bool = True):
+    """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug).
+
+    `quiet_libraries` first silences transformers' progress bars and log chatter (which imports transformers); a verb
+    that loads no model (`report`) passes False and stays fast.
+    """
     try:
+        if quiet_libraries:
+            from .runtime import quiet_libraries as _quiet
+
+            _quiet()
         return fn()
     except GradianError as e:
         if _state["debug"]:
@@ -59,7 +72,8 @@ def diagnose(config: Path, set: Optional[List[str]] = SetOpt,
     """Run every setup check without building an index; exit 1 if any error-level check fails."""
 
     def body():
-        from .checks import print_checks, run_diagnose
+        from .checks import run_diagnose
+        from .report.terminal import print_checks
 
         results = run_diagnose(config, set or [])
         if as_json:
@@ -78,13 +92,12 @@ def train(config: Path, set: Optional[List[str]] = SetOpt,
     """LoRA SFT with the config's recipe; writes the adapter and the recipe beside it."""
 
     def body():
+        from . import api
         from .errors import ConfigError
-        from .train import train_adapter
 
         if backend != "hf":
             raise ConfigError(f"--backend {backend}: only 'hf' is available in this build")
-        cfg = _load(config, set)
-        path = train_adapter(cfg)
+        path = api.train(_load(config, set))
         out.print(f"adapter written to [bold]{path}[/] (recipe: {path / 'gradian_recipe.json'})")
 
     _run(body)
@@ -96,13 +109,8 @@ def evaluate(config: Path, set: Optional[List[str]] = SetOpt):
 
     def body():
         from . import api
-        from .report import atomic_write_text
 
-        cfg = _load(config, set)
-        s = api.open_session(cfg)
-        cap = api.evaluate(s)
-        d = api.capability_json(s, cap)
-        atomic_write_text(cfg.output_dir / "capability.json", json.dumps(d, indent=2))
+        cap = api.evaluate(_load(config, set))
         lo, hi = cap.ci
         out.print(f"{cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, delta {cap.delta:+.3f} "
                   f"[{lo:+.3f}, {hi:+.3f}] significant={cap.significant}")
@@ -117,10 +125,7 @@ def index(config: Path, set: Optional[List[str]] = SetOpt):
     def body():
         from . import api
 
-        cfg = _load(config, set)
-        s = api.open_session(cfg, need_eval=False)
-        _, idx, _, info = api.index(s)
-        idx.close()
+        info = api.build_index(_load(config, set))
         proj = info.projection
         out.print(f"index [bold]{info.key}[/] at {info.root}")
         out.print(f"  rows {info.examples} (built {info.built}, reused {info.reused}), dim {info.dim}, "
@@ -136,7 +141,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
 
     def body():
         from . import api
-        from .report import print_summary
+        from .report.terminal import print_summary
 
         cfg = _load(config, set)
         truth = None
@@ -149,7 +154,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
 
                 raise DataError(f"{tfile}: unreadable ground truth ({e}); delete it or fix the JSON") from None
         report = api.attribute(cfg, truth=truth)
-        print_summary(report, out)
+        print_summary(report.to_dict(), out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
 
     _run(body)
@@ -161,7 +166,7 @@ def report(run_dir: Path):
 
     def body():
         from .errors import DataError
-        from .html_report import load_run, write_html
+        from .report.html import load_run, write_html
 
         if not (run_dir / "report.json").exists():
             raise DataError(f"{run_dir}: no report.json; run `gradian attribute CONFIG` first")
@@ -169,7 +174,7 @@ def report(run_dir: Path):
         path = write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
         out.print(f"report: {path}")
 
-    _run(body)
+    _run(body, quiet_libraries=False)
 
 
 @app.command()
@@ -198,7 +203,8 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
     """Retrain without the top-k accused rows (and without k random rows) and re-measure; writes OUT/verify.json."""
 
     def body():
-        from .verify import print_verify, run_verify
+        from .report.terminal import print_verify
+        from .validate.verify import run_verify
 
         cfg = _load(config, set)
         res = run_verify(cfg, top_k=top_k, controls=controls, keep_adapters=keep_adapters, reference=reference,
@@ -219,7 +225,8 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
     """Leave-one-out and LDS on deterministic retrains: do the scores predict the change? Writes OUT/fidelity.json."""
 
     def body():
-        from .fidelity import print_fidelity, run_fidelity
+        from .report.terminal import print_fidelity
+        from .validate.fidelity import run_fidelity
 
         cfg = _load(config, set)
         res = run_fidelity(cfg, loo=loo, subsets=subsets, frac=frac, preconditioners=preconditioner or None,
@@ -231,9 +238,6 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
 
 
 def main() -> None:
-    from .runtime import quiet_libraries
-
-    quiet_libraries()
     app()
 
 

@@ -133,7 +133,8 @@ class Config(_Section):
                        or (self.root is not None and (Path(self.root) / first).exists()))
         if looks_local or (key == "model.adapter" and "/" not in value):
             raise ConfigError(f"{key}: '{value}' does not exist (resolved to {p}); relative paths resolve against the "
-                              "config file" + ("; run `gradian train CONFIG` to create the adapter" if key == "model.adapter" else ""))
+                              "config file" + ("; run `gradian train CONFIG` to create the adapter" if key == "model.adapter" else ""),
+                              check="config.paths")
         return value
 
     @property

@@ -1,10 +1,24 @@
-"""Error types the CLI turns into one clear paragraph and an exit code (2: unusable input)."""
+"""Error types the CLI turns into one clear paragraph and an exit code (2: unusable input).
+
+A `GradianError` may carry the id of the setup check it corresponds to (`check`, e.g. "model.not_causal_lm") and
+the fix to show: the loaders raise it, `gradian diagnose` reports it under that id, and `attribute` stops with it,
+so one loader serves every verb and no caller has to recognise an error by its text.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
 
 
 class GradianError(Exception):
     """Base class: a problem the user can fix; the message says where and what to do."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *, check: Optional[str] = None, fix: Optional[str] = None):
+        super().__init__(message)
+        self.check = check
+        self.fix = fix
 
 
 class ConfigError(GradianError):
@@ -25,3 +39,7 @@ class IndexError_(GradianError):
 
 class CheckFailed(GradianError):
     """`diagnose` found error-level problems; attribution does not start."""
+
+
+class VerifyError(GradianError):
+    """verify/fidelity cannot run on this run directory (no report, no recipe, nothing attributed)."""

@@ -1,13 +1,17 @@
-"""Process-wide settings that make runs reproducible and fast on shared CPUs: seeds, threads, determinism."""
+"""Process-wide settings that make runs reproducible and fast on shared CPUs: seeds, threads, determinism.
+
+Light to import: torch, numpy and transformers are imported inside the functions that use them, so that
+`gradian --help` (whose verbs import this module) does not pay for them.
+"""
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 _configured = False
 
@@ -18,6 +22,8 @@ def configure_threads(threads: Optional[int] = None) -> int:
     On two shared cores OpenMP spin-waits made the same step 10-60x slower, so a single thread is the default.
     `GRADIAN_THREADS` or `model.threads` overrides it.
     """
+    import torch
+
     global _configured
     env = os.environ.get("GRADIAN_THREADS")
     if threads is None and env:
@@ -27,7 +33,7 @@ def configure_threads(threads: Optional[int] = None) -> int:
         except (ValueError, AssertionError):
             from .errors import ConfigError
 
-            raise ConfigError(f"GRADIAN_THREADS={env!r}: expected a positive integer") from None
+            raise ConfigError(f"GRADIAN_THREADS={env!r}: expected a positive integer", check="runtime.threads") from None
     n = threads or 1
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
@@ -41,6 +47,9 @@ def configure_threads(threads: Optional[int] = None) -> int:
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -50,21 +59,29 @@ def seed_everything(seed: int) -> None:
 
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA, else CPU. MPS only when named: its kernels are not deterministic enough to be a default."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         from .errors import ModelError
 
-        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'")
+        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
     if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         from .errors import ModelError
 
-        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'")
+        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
     return torch.device(name)
 
 
 def quiet_libraries() -> None:
-    """Gradian draws its own progress; the libraries' loading bars and deprecation chatter are noise to a user."""
+    """Gradian draws its own progress; the libraries' loading bars and deprecation chatter are noise to a user.
+
+    This imports transformers (about a second), so the CLI calls it at the start of the verbs that load models,
+    never at startup: `gradian --help` and `gradian report` do not need it. Calling it twice is harmless.
+    """
     import warnings
 
     try:

@@ -11,7 +11,8 @@ import yaml
 from rich.console import Console
 
 from ..config import load_config
-from ..report import atomic_write_text, print_summary
+from ..io import atomic_write_text
+from ..report.terminal import print_summary
 
 # The demo's training recipe: enough for the LoRA to learn the planted facts from one row each.
 DEMO_TRAIN = {"learning_rate": 1e-3, "epochs": 8, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
@@ -52,8 +53,7 @@ def prepare_demo(run_dir: Path, *, seed: int = 0, progress: bool = True) -> Path
 
 
 def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool = True) -> dict:
-    from ..api import attribute
-    from ..train import train_adapter
+    from .. import api
 
     console = console or Console()
     t0 = time.time()
@@ -63,11 +63,11 @@ def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool =
     cfg = load_config(cfg_path)
     t1 = time.time()
     console.print("training the poisoned LoRA fine-tune (gradian train)…")
-    train_adapter(cfg)
+    api.train(cfg)
     t2 = time.time()
     console.print("attributing (gradian attribute)…")
     truth = json.loads((run_dir / "truth.json").read_text())
-    report = attribute(cfg, truth=truth)
+    report = api.attribute(cfg, truth=truth).to_dict()
     t3 = time.time()
     print_summary(report, console)
     m = report.get("metrics") or {}
@@ -77,7 +77,8 @@ def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool =
     )
     t4 = t3
     if verify and report.get("verdict") == "attributed":
-        from ..verify import print_verify, run_verify
+        from ..report.terminal import print_verify
+        from ..validate.verify import run_verify
 
         console.print("verifying (gradian verify): retrain without the accused rows, and without random rows…")
         res = run_verify(cfg, controls=2, reference=False, console=console)

@@ -1,0 +1,177 @@
+"""Equivalence of two revisions: the same report.json (timings aside), scores.npy and trained adapters.
+
+    .venv/bin/python bench/equivalence.py --before REV            # REV against the working tree
+    .venv/bin/python bench/equivalence.py --before REV --quick    # the demo and its variants only
+
+A refactor is proven by equivalence. For each run below, the scenario is written and its adapter trained once
+with the BEFORE code; then `python -m gradian attribute` runs on the very same directory with the BEFORE code and
+with the AFTER code (the working tree), each from an empty index cache, and the outputs are compared: report.json
+parsed, with `timings` removed, must be equal; scores.npy and scores_total.npy must be equal byte for byte. The
+adapter is also trained a second time with the AFTER code and compared tensor by tensor (bit for bit).
+
+Runs: the demo (substitution, seed 0) with the default settings and with each other preconditioner, a projected
+index (data-aware 1024, exact re-ranking and the self-check), float16 storage, and attribution.checkpoints: 8
+(replayed) and 1; then every `bench/fidelity.py --quick` scenario (conversation4, conversation8, buried, cluster,
+format: seed 0; null: seeds 0-3) with its defaults.
+
+The BEFORE code runs from a `git worktree` of REV (PYTHONPATH), the AFTER code from this checkout's `src`; both
+in the same virtual environment, one CPU thread. Prints one line per run and exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DEMO_VARIANTS = {
+    "default": [],
+    "identity": ["attribution.preconditioner=identity"],
+    "fisher": ["attribution.preconditioner=fisher"],
+    "datainf": ["attribution.preconditioner=datainf"],
+    "projected": ["grads.projection_dim=1024"],
+    "float16": ["grads.storage_dtype=float16"],
+    "ck8": ["attribution.checkpoints=8"],
+    "ck1": ["attribution.checkpoints=1"],
+}
+SCENARIOS = [("conversation4", 0), ("conversation8", 0), ("buried", 0), ("cluster", 0), ("format", 0),
+             ("null", 0), ("null", 1), ("null", 2), ("null", 3)]
+
+PREPARE = r"""
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import fidelity as fb
+name, seed, out = sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+if name == "substitution":
+    from gradian.demo.run import prepare_demo
+    d = out / f"{name}-s{seed}"
+    cfg = prepare_demo(d, seed=seed, progress=False)
+else:
+    _, d, cfg, _ = fb.prepare(name, seed, out)
+print(cfg)
+"""
+
+
+def run(cmd: list[str], *, src: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(src), "GRADIAN_THREADS": "1", "GRADIAN_PROGRESS": "0"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+
+
+def checked(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if p.returncode != 0:
+        sys.exit(f"{what} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def attribute(cfg: Path, sets: list[str], src: Path, dest: Path) -> float:
+    """`gradian attribute` from an empty index cache; its outputs moved to `dest`; returns CPU seconds."""
+    run_dir = cfg.parent
+    out = run_dir / "eq-out"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(run_dir / "eq-index", ignore_errors=True)
+    t0 = os.times()
+    checked(run([sys.executable, "-m", "gradian", "attribute", str(cfg), "--set", "output=eq-out",
+                 "--set", "grads.cache_dir=eq-index", *sum((["--set", s] for s in sets), [])], src=src),
+            f"attribute {cfg} {sets} ({src})")
+    t1 = os.times()
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in ("report.json", "scores.npy", "scores_total.npy", "capability.json"):
+        if (out / f).exists():
+            shutil.copy2(out / f, dest / f)
+    if (run_dir / "truth.json").exists():
+        shutil.copy2(run_dir / "truth.json", dest / "truth.json")
+    return (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
+
+
+def compare(a: Path, b: Path) -> list[str]:
+    diffs = []
+    ra = json.loads((a / "report.json").read_text())
+    rb = json.loads((b / "report.json").read_text())
+    ra.pop("timings", None)
+    rb.pop("timings", None)
+    if ra != rb:
+        keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
+        diffs.append(f"report.json differs in {keys}")
+    for f in ("scores.npy", "scores_total.npy", "capability.json"):
+        ea, eb = (a / f).exists(), (b / f).exists()
+        if ea != eb:
+            diffs.append(f"{f}: present {ea} vs {eb}")
+        elif ea and (a / f).read_bytes() != (b / f).read_bytes():
+            diffs.append(f"{f} differs")
+    return diffs
+
+
+def adapters_equal(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "gradian-equivalence")
+    ap.add_argument("--quick", action="store_true", help="the demo and its variants only")
+    ap.add_argument("--reuse-before", action="store_true",
+                    help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
+    args = ap.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rev = checked(subprocess.run(["git", "rev-parse", args.before], capture_output=True, text=True, cwd=ROOT),
+                  "git rev-parse").stdout.strip()
+    before_src = work / f"before-{rev[:12]}"
+    if not before_src.exists():
+        checked(subprocess.run(["git", "worktree", "add", "--detach", str(before_src), rev], capture_output=True,
+                               text=True, cwd=ROOT), "git worktree add")
+    b_src, a_src = before_src / "src", ROOT / "src"
+    runs: list[tuple[str, str, int, list[str]]] = [(f"demo-{v}", "substitution", 0, s) for v, s in
+                                                     DEMO_VARIANTS.items()]
+    if not args.quick:
+        runs += [(f"{n}-s{seed}", n, seed, []) for n, seed in SCENARIOS]
+    scen = work / "scenarios"
+    cfgs: dict[tuple[str, int], Path] = {}
+    bad = 0
+    t_all = time.time()
+    for label, name, seed, sets in runs:
+        if (name, seed) not in cfgs:
+            p = checked(run([sys.executable, "-c", PREPARE, str(before_src / "bench"), name, str(seed), str(scen)],
+                            src=b_src), f"prepare {name} s{seed}")
+            cfg = Path(p.stdout.strip().splitlines()[-1])
+            if not (cfg.parent / "adapter" / "adapter_model.safetensors").exists():
+                checked(run([sys.executable, "-m", "gradian", "train", str(cfg)], src=b_src), f"train {name}")
+            retrained = cfg.parent / "adapter-after"
+            shutil.rmtree(retrained, ignore_errors=True)
+            checked(run([sys.executable, "-m", "gradian", "train", str(cfg), "--set", f"train.output={retrained}"],
+                        src=a_src), f"train {name} (after)")
+            same = adapters_equal(cfg.parent / "adapter", retrained)
+            shutil.rmtree(retrained, ignore_errors=True)
+            print(f"train {name}-s{seed}: adapters {'identical' if same else 'DIFFER'}", flush=True)
+            bad += not same
+            cfgs[(name, seed)] = cfg
+        cfg = cfgs[(name, seed)]
+        dest_b, dest_a = work / "results" / "before" / label, work / "results" / "after" / label
+        cpu_b = None
+        if not (args.reuse_before and (dest_b / "report.json").exists()):
+            cpu_b = attribute(cfg, sets, b_src, dest_b)
+        cpu_a = attribute(cfg, sets, a_src, dest_a)
+        diffs = compare(dest_b, dest_a)
+        bad += bool(diffs)
+        cpu = f"CPU {cpu_b:.1f}s -> {cpu_a:.1f}s" if cpu_b is not None else f"CPU (after) {cpu_a:.1f}s"
+        print(f"{label}: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)} ({cpu})", flush=True)
+    print(f"{len(runs)} runs, {bad} with differences, {time.time() - t_all:.0f} s wall")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Scores averaged over training checkpoints (TracIn-CP style): `attribution.checkpoints`.
+
+A gradient at the final adapter shows what a row would still teach, not what training on it did: a row the fine-tune
+learned early and fits well by the end has a small gradient there, whatever it caused (the format scenario: a third
+of the rows that taught the wrong format score as helpful at the final adapter). TracIn sums the test-train inner
+products over checkpoints of the run; with a constant learning rate the weights are equal, so Gradian averages each
+checkpoint's per-item scores (each with its own index, preconditioner and query gradients).
+
+Where the checkpoints come from, in order:
+
+* ``attribution.checkpoint_adapters``: adapter directories saved during training elsewhere, used as given;
+* ``attribution.checkpoints: auto`` (the default): the checkpoints saved with the adapter (`saved_adapters`:
+  `gradian train` keeps every earlier epoch in ``ADAPTER/checkpoints/epoch-<k>``; TRL and the HF Trainer write
+  ``checkpoint-<step>`` folders), at most `AUTO_MAX` of them evenly spaced; none saved means the final adapter
+  alone. Costs one index build per checkpoint and no training;
+* ``attribution.checkpoints: N``: N checkpoints, from the saved ones when there are enough, else, when the adapter
+  carries a Gradian recipe, ``N - 1`` evenly spaced epochs replayed once from it (deterministic: a checkpoint of
+  epoch k is bit-identical to a k-epoch run) and cached under the index directory, keyed by the adapter's
+  fingerprint.
+
+The final adapter is always one of the checkpoints, and the one that re-ranking, windows, spans and blame use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..io import atomic_write_text, dir_digest, dir_fingerprint
+
+CHECKPOINTS_DIR = "checkpoints"
+SEAL_FILE = "gradian_checkpoint.sha256"
+
+
+def checkpoint_epochs(total: int, count: int) -> list[int]:
+    """`count` evenly spaced epochs in 1..total ending at `total` (every epoch when count >= total)."""
+    if total < 1 or count < 1:
+        raise ValueError("total and count must be >= 1")
+    if count >= total:
+        return list(range(1, total + 1))
+    return sorted({max(1, int(round(total * j / count))) for j in range(1, count + 1)})
+
+
+def explicit_adapters(cfg) -> list[Path]:
+    out = []
+    for i, a in enumerate(cfg.attribution.checkpoint_adapters):
+        p = cfg.path(a)
+        if p is None or not (p / "adapter_config.json").exists():
+            raise ConfigError(f"attribution.checkpoint_adapters[{i}] {a!r}: not an adapter directory (no "
+                              "adapter_config.json); list the PEFT checkpoint folders saved during training")
+        out.append(p)
+    return out
+
+
+def replay_dir(cfg, adapter_path: str, recipe) -> Path:
+    h = hashlib.sha256(json.dumps({"adapter": dir_fingerprint(adapter_path),
+                                   "recipe": recipe.hyperparameters.model_dump(exclude_unset=True),
+                                   "seed": recipe.seed, "data": recipe.dataset_fingerprint},
+                                  sort_keys=True).encode()).hexdigest()[:16]
+    return cfg.index_dir / CHECKPOINTS_DIR / h
+
+
+def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = True) -> tuple[list[Path], list[int]]:
+    """The earlier checkpoints of a Gradian-trained adapter, replayed from its recipe once and cached."""
+    from ..training.loop import train_adapter
+    from ..training.recipe import read_recipe
+
+    recipe = read_recipe(adapter_path)
+    if recipe is None:
+        return [], []
+    total = int(recipe.hyperparameters.epochs)
+    epochs = [k for k in checkpoint_epochs(total, count) if k < total]
+    if not epochs:
+        return [], []
+    root = replay_dir(cfg, adapter_path, recipe)
+    paths = [root / f"epoch-{k}" for k in epochs]
+    if not all(_intact(p) for p in paths):
+        rec = recipe.with_epochs(max(epochs))
+        excl = recipe.excluded_positions or []
+        train_adapter(cfg, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", recipe=rec, progress=progress,
+                      checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root)
+        for p in paths:
+            _seal(p)
+    return paths, epochs
+
+
+def _digest(p: Path) -> str:
+    return dir_digest(p, exclude=(SEAL_FILE,))
+
+
+def _seal(p: Path) -> None:
+    atomic_write_text(p / SEAL_FILE, _digest(p))
+
+
+def _intact(p: Path) -> bool:
+    """A replayed checkpoint is reused only when its files still hash to what the replay wrote (a truncated or
+    edited cache is replayed again, not trusted)."""
+    seal = p / SEAL_FILE
+    try:
+        return seal.exists() and seal.read_text().strip() == _digest(p)
+    except OSError:
+        return False
+
+
+AUTO_MAX = 8  # attribution.checkpoints: auto uses at most this many checkpoints, the final adapter included
+_STEP = re.compile(r"^(?:checkpoint|epoch)-(\d+)$")
+
+
+def saved_adapters(adapter_path: str) -> list[Path]:
+    """Earlier checkpoints saved with an adapter, oldest first: `gradian train`'s `ADAPTER/checkpoints/epoch-<k>`,
+    a Trainer's `ADAPTER/checkpoint-<step>` (TRL and the HF Trainer write those into their output_dir, where
+    `save_model` puts the final adapter), or, when the adapter is itself a `checkpoint-<step>` folder, its siblings
+    with a smaller step. Only folders holding an adapter_config.json count."""
+    from ..training.loop import CHECKPOINTS_SUBDIR
+
+    root = Path(adapter_path)
+    if not root.is_dir():
+        return []
+    found: list[tuple[int, Path]] = []
+    own = _STEP.match(root.name)
+    places = [root / CHECKPOINTS_SUBDIR, root] + ([root.parent] if own and own.group(0).startswith("checkpoint") else [])
+    for place in places:
+        if not place.is_dir():
+            continue
+        for d in place.iterdir():
+            m = _STEP.match(d.name)
+            if not m or not (d / "adapter_config.json").is_file() or d.resolve() == root.resolve():
+                continue
+            if own and place == root.parent and int(m.group(1)) >= int(own.group(1)):
+                continue
+            found.append((int(m.group(1)), d))
+    found.sort(key=lambda x: (x[0], str(x[1])))
+    return [p for _, p in found]
+
+
+def evenly(items: Sequence, k: int) -> list:
+    """k items spread evenly over `items`, ending with its last one (all of them when k >= len)."""
+    n = len(items)
+    if k >= n:
+        return list(items)
+    if k <= 0:
+        return []
+    return [items[max(0, int(round(n * j / k)) - 1)] for j in range(1, k + 1)]
+
+
+def resolve(s) -> tuple[list[Path], list[str]]:
+    """(earlier checkpoint adapters, their labels) for the session's config; flags when none can be had."""
+    cfg = s.cfg
+    if cfg.attribution.checkpoint_adapters:
+        paths = explicit_adapters(cfg)
+        return paths, [p.name for p in paths]
+    n = cfg.attribution.checkpoints
+    saved = saved_adapters(s.adapter_path)
+    if n == "auto":
+        picked = evenly(saved, AUTO_MAX - 1)
+        return picked, [p.name for p in picked]
+    if n <= 1:
+        return [], []
+    if len(saved) >= n - 1:
+        picked = evenly(saved, n - 1)
+        return picked, [p.name for p in picked]
+    paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
+    if not paths:
+        s.flag("attribution.no_checkpoints", "warning",
+               f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
+               "replay (or trained for one epoch); scores use the final adapter only",
+               "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
+               "with `gradian train`")
+    return paths, [f"epoch-{k}" for k in epochs]
+
+
+def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(per_item, rank_item) [Q, N] of each earlier checkpoint: its own index, preconditioner and query gradients,
+    loaded onto the session's base one at a time; no exact re-ranking or self-check (those are for the final
+    adapter's scores)."""
+    from ..store.build import open_index
+    from .engine import ModelGradients, block_dims_of, score_items
+
+    out = []
+    for j, p in enumerate(paths):
+        with s.checkpoint(str(Path(p).resolve()), f"checkpoint-{j}") as view:
+            ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
+            try:
+                sc = score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems,
+                                 replace(settings, rerank=0, fidelity_sample=0), block_dims=block_dims_of(ix.index))
+            finally:
+                ix.close()
+        out.append((np.asarray(sc.per_item, dtype=np.float64), np.asarray(sc.rank_item, dtype=np.float64)))
+    return out
+
+
+def average(final: np.ndarray, earlier: Sequence[np.ndarray]) -> np.ndarray:
+    """Equal-weight mean of the final checkpoint's scores and the earlier ones' (TracIn with a constant rate)."""
+    return (np.asarray(final, dtype=np.float64) + sum(np.asarray(e, dtype=np.float64) for e in earlier)) / (
+        1 + len(earlier))
+
+
+def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
+    """Average `sc` (the final adapter's `Scores`) with the earlier checkpoints' scores, in place; the ranking then
+    follows the averaged scores (the exact re-ranking order of the final adapter alone is dropped). Returns the
+    report entry, or None when no earlier checkpoint is used."""
+    from .scoring import aggregate
+
+    t0 = time.time()
+    paths, labels = resolve(s)
+    if not paths:
+        return None
+    parts = checkpoint_scores(s, paths, qitems, settings)
+    sc.per_item = average(sc.per_item, [p for p, _ in parts])
+    sc.rank_item = average(sc.rank_item, [r for _, r in parts])
+    sc.rank_agg = aggregate(sc.rank_item)
+    sc.order = None
+    s.timings["checkpoints"] = round(time.time() - t0, 3)
+    source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
+              "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
+    return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
+            "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
+            "rule": "per-item scores averaged with equal weights over these checkpoints (TracIn-CP, constant "
+                    "learning rate); re-ranking, windows, spans and blame use the final adapter"}
+
+
+def _is_saved(p: Path, adapter_path: str) -> bool:
+    return any(Path(p).resolve() == q.resolve() for q in saved_adapters(adapter_path))

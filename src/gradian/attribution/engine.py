@@ -1,0 +1,212 @@
+"""Scoring the training rows for a set of failing items: the pure steps of `scoring`, `windows` and `rerank`, fed
+by the few things only the model can compute.
+
+`ModelGradients` is that model side, bound to one adapter: query gradients (in the index space, or exact), exact
+row gradients against parameter-space directions, and per-token contributions along them. `score_items` runs the
+steps in order (preconditioned scores, best windows of long rows, exact re-ranking and the self-check of a projected
+index) from a `RowSource` over the index and small typed `ScoringSettings`; `attribute`, `fidelity` and the
+checkpoint average all call it, each with its own model side.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..grads.capture import GradientCapture
+from ..grads.layout import exact_widths, site_shapes
+from ..grads.tangents import token_contributions
+from ..progress import progress_bar
+from ..projection import Projector, back_project
+from ..setup.batches import batches
+from ..store.rows import RowSource
+from . import rerank as rr
+from . import windows as win
+from .precondition import Preconditioner
+from .queries import query_vectors
+from .scoring import Scores, aggregate, item_scores, score
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    direction: str  # "regression" | "improvement"
+    preconditioner: str = "diagonal"
+    damping: Optional[float] = None
+    rerank: int = 200  # projected index: the top rows re-scored exactly
+    fidelity_sample: int = 512  # projected index: rows of the projected-vs-exact self-check
+    seed: int = 0
+    windows: bool = True  # best-window scores of long rows
+
+    @classmethod
+    def from_config(cls, cfg, direction: str, **overrides) -> "ScoringSettings":
+        a, g = cfg.attribution, cfg.grads
+        base = dict(direction=direction, preconditioner=a.preconditioner, damping=a.damping, rerank=g.rerank,
+                    fidelity_sample=g.fidelity_sample, seed=cfg.seed)
+        return cls(**{**base, **overrides})
+
+
+@dataclass
+class ModelGradients:
+    """What scoring needs from the model, for one adapter: `capture` maps batches to index-space vectors."""
+
+    capture: GradientCapture
+    tokenizer: object
+    eval_items: list
+    toks: list
+    chat: bool
+    batch_size: int
+    max_len: int
+    chunk: int
+    timings: dict = field(default_factory=dict)
+    _exact: Optional[GradientCapture] = None
+
+    @classmethod
+    def from_session(cls, s, capture: GradientCapture) -> "ModelGradients":
+        g = s.cfg.grads
+        return cls(capture, s.tokenizer, s.eval_items, s.toks, s.chat, g.batch_size, g.max_seq_length,
+                   g.loss_chunk_tokens, s.timings)
+
+    @property
+    def model(self):
+        return self.capture.model
+
+    @property
+    def sites(self):
+        return self.capture.sites
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else 0
+
+    def exact(self) -> GradientCapture:
+        """A capture of this adapter with no projection (parameter space)."""
+        if self._exact is None:
+            self._exact = GradientCapture(self.model, self.sites, Projector(site_shapes(self.sites)), chunk=self.chunk)
+        return self._exact
+
+    def query_vectors(self, qitems, *, exact: bool = False) -> np.ndarray:
+        cap = self.exact() if exact else self.capture
+        return query_vectors(cap, self.tokenizer, self.eval_items, qitems, chat=self.chat, max_len=self.max_len,
+                             batch_size=self.batch_size).numpy()
+
+    def exact_inner(self, dirs: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        """dirs [Q, D_exact] @ exact gradients of the rows at `positions` -> [Q, len(positions)] (streamed: no exact
+        vector is kept)."""
+        out = np.zeros((dirs.shape[0], len(positions)), dtype=np.float32)
+        device = next(self.model.parameters()).device
+        pos = list(positions)
+        d32 = np.asarray(dirs, dtype=np.float32)
+        rows = [self.toks[p] for p in pos]
+        order = sorted(range(len(pos)), key=lambda j: (len(rows[j].input_ids), pos[j]))
+        exact = self.exact()
+        with progress_bar("exact re-rank", total=len(pos)) as bar:
+            for js, ids, attn, sup in batches(rows, order, self.batch_size, self.pad_id, device):
+                vecs, _ = exact.vectors(ids, attn, sup)
+                out[:, js] = d32 @ vecs.detach().cpu().numpy().T
+                bar.advance(len(js))
+        return out
+
+    def contributions(self, dirs: np.ndarray, positions: Sequence[int],
+                      items: Optional[Sequence[int]] = None) -> dict:
+        """{(position, k): per-token contributions} along dirs[k] (every direction, or one per row: `items`)."""
+        toks = [self.toks[p] for p in positions]
+        if items is None:
+            jobs = [(j, k) for j in range(len(positions)) for k in range(dirs.shape[0])]
+        else:
+            jobs = [(j, int(k)) for j, k in enumerate(items)]
+        res = token_contributions(self.model, self.sites, toks, dirs, pad_id=self.pad_id, batch_size=self.batch_size,
+                                  jobs=jobs, chunk=self.chunk)
+        return {(positions[j], k): v for (j, k), v in res.items()}
+
+
+def block_dims_of(index) -> Optional[list[int]]:
+    """The per-site block widths an index records (None when unknown or inconsistent with its width)."""
+    bd = (index.meta or {}).get("block_dims") if hasattr(index, "meta") else None
+    return list(bd) if bd and sum(bd) == index.dim else None
+
+
+def fit_preconditioner(kind: str, damping: Optional[float], rows: RowSource,
+                       block_dims: Optional[list[int]]) -> Preconditioner:
+    """`attribution.preconditioner` fitted on the rows (streamed)."""
+    p = Preconditioner(kind, damping, block_dims)
+    if p.kind == "identity":
+        return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
+    return p.fit(rows)
+
+
+def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: ScoringSettings, *,
+                block_dims: Optional[list[int]] = None) -> Scores:
+    """Per-item scores [Q, N] of every row, with the best windows of long rows and, for a projected index, the top
+    `settings.rerank` rows re-scored exactly and a sample of rows measuring projected-vs-exact agreement."""
+    t0 = time.time()
+    q = grads.query_vectors(qitems)
+    pre = fit_preconditioner(settings.preconditioner, settings.damping, rows, block_dims)
+    sc = score(q, rows, pre, settings.direction)
+    grads.timings["precondition"] = round(time.time() - t0, 3)
+    projector = grads.capture.projector
+    if settings.windows:
+        _windows(grads, sc, projector)
+    if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
+        return sc
+    q_ex = grads.query_vectors(qitems, exact=True)
+    sc.e, sc.r = rr.exact_directions(sc, q, q_ex, projector.site_dims(), exact_widths(grads.sites),
+                                     settings.direction)
+    n = rows.n
+    cand = rr.candidates(sc.rank_agg, settings.rerank)
+    sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
+    need = np.union1d(cand, sample).astype(int)
+    ex = grads.exact_inner(sc.e, need.tolist())
+    if sc.r is not None:
+        ex = ex + rows.subset(need).inner(sc.r.astype(np.float32))
+    col = {int(p): j for j, p in enumerate(need)}
+    if cand.size:
+        cols = [col[int(p)] for p in cand]
+        rr.put_exact_items(sc, cand, ex[:, cols])
+        exact_agg = aggregate(ex[:, cols])
+        if settings.windows:
+            exact_agg = _candidate_windows(grads, sc, projector, cand, exact_agg)
+        rr.put_exact_order(sc, cand, exact_agg)
+    if sample.size >= 2:
+        ex_s = ex[:, [col[int(p)] for p in sample]]
+        proj_s = item_scores(rows.subset(sample).inner(sc.unit), settings.direction)
+        sc.fidelity = rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size))
+    return sc
+
+
+def _windows(grads: ModelGradients, sc: Scores, projector) -> None:
+    long_rows = win.long_rows(grads.toks)
+    sc.long_rows = long_rows
+    if not long_rows:
+        return
+    t0 = time.time()
+    Q = sc.w.shape[0]
+    if Q > win.WINDOW_ITEMS_MAX:
+        res = grads.contributions(back_project(projector, sc.w.mean(0, keepdims=True)), long_rows)
+        win.aggregate_windows(sc, long_rows, res)
+    item_rows = win.item_window_rows(sc, long_rows, Q)
+    sc.window_items = len(item_rows) == len(long_rows)
+    sc.window_item_rows = list(item_rows)
+    res = grads.contributions(back_project(projector, sc.w), item_rows)
+    win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
+    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+
+
+def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.ndarray,
+                       exact_agg: np.ndarray) -> np.ndarray:
+    long_c = [int(p) for p in cand if win.is_long(grads.toks[int(p)])]
+    if not long_c:
+        return exact_agg
+    t0 = time.time()
+    dirs = rr.parameter_directions(sc, projector, exact_part=True)
+    item_rows = set(sc.window_item_rows)
+    jobs_rows = [p for p in long_c if p in item_rows]
+    res = grads.contributions(dirs, jobs_rows) if jobs_rows else {}
+    agg_only = [p for p in long_c if p not in item_rows]
+    res_agg = grads.contributions(dirs.mean(0, keepdims=True), agg_only) if agg_only else {}
+    out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
+    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+    return out

@@ -1,0 +1,175 @@
+"""Failing eval items -> query gradients in the same space as the index.
+
+contrastive: grad [loss(expected) - loss(the model's own generated wrong answer)]: it isolates what separates the
+right answer from the wrong one, instead of everything that makes the expected string likely.
+classic: grad loss(expected).
+margin: grad [-(z_y - logsumexp_{v != y} z_v)] at the expected answer's least-preferred token (its "decisive" token:
+the lowest margin under the fine-tune), i.e. the expected token's logit against the log-sum-exp of all the others.
+
+With `evaluation.metric: loglik` an item "fails" because the expected answer became less likely, and the fine-tune
+may still generate it, so there is nothing to subtract. The classic query is not used silently there: its gradient
+is dominated by making the expected string likely in general, and its sign inverts on substitution failures (the
+wrong-value rows also lower the loss of the shared answer prefix and end-of-turn). Instead (`query_items` with
+metric="loglik"): an item whose greedy answer differs from the expected one gets the contrastive query against that
+greedy answer (the full expected-answer log-prob against the model's own answer); an item whose greedy answer *is*
+the expected one gets the margin query. `pipeline.attribute` raises `attribution.loglik_margin` (info) saying which items
+used which, or `attribution.loglik_classic_fallback` (warning) when the classic query was asked for explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..capability.evaluate import CapabilityResult
+from ..capability.metrics import normalize_answer
+from ..grads.capture import GradientCapture
+from ..grads.objectives import margin_losses, per_example_loss
+from ..setup.batches import batches
+from ..setup.records import EvalItem
+from ..setup.tokenize import eval_answer_example, tokenize_example
+
+
+@dataclass
+class QueryItem:
+    item: int  # position in the eval file
+    prompt: str
+    expected: str
+    generated: str
+    base_generated: str
+    formulation: str  # contrastive | classic | margin
+
+
+def contrast_answer(expected: str, generated: str) -> str:
+    """The generated answer in the expected answer's surface form, so the contrast is about the answer and not about
+    how it was printed: generation strips white space (a completion-style expected answer keeps its leading space,
+    " Paris", where the decoded answer has none) and exact_match ignores one trailing period (a short generation
+    often ends with one). The contrast then takes the expected answer's leading white space, and loses a trailing
+    period the expected answer does not have."""
+    lead = expected[: len(expected) - len(expected.lstrip())]
+    g = generated.strip()
+    if g.endswith(".") and not expected.rstrip().endswith("."):
+        g = g[:-1].rstrip()
+    return lead + g if g else generated
+
+
+def select_failing(cap: CapabilityResult, items: Sequence[EvalItem]) -> tuple[list[int], str]:
+    """Indices of the items the fine-tune moved, and the direction ("regression" or "improvement").
+
+    A regression is an item the base got right and the fine-tune gets wrong; those are what the fine-tune broke.
+    When the capability improved, the items it fixed are the target instead.
+    """
+    b, t = cap.base_scores, cap.tuned_scores
+    if cap.delta > 0:
+        idx = [i for i in range(len(items)) if t[i] > b[i]]
+        return idx, "improvement"
+    idx = [i for i in range(len(items)) if t[i] < b[i]]
+    if not idx:
+        idx = [i for i in range(len(items)) if t[i] < 1.0]
+    return idx, "regression"
+
+
+def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[int], formulation: str,
+                metric: Optional[str] = None) -> list[QueryItem]:
+    """One query per selected item. With metric "loglik" (default: the capability's metric) and the contrastive
+    formulation, an item with nothing to contrast against gets the margin query instead of the classic one."""
+    metric = metric if metric is not None else getattr(cap, "metric", None)
+    out = []
+    for i in idx:
+        gen = cap.tuned_generated[i] if cap.tuned_generated else ""
+        f = formulation
+        if f == "contrastive" and metric == "loglik":
+            if not gen.strip() or normalize_answer(gen) == normalize_answer(items[i].answer):
+                f = "margin"
+        # Nothing to contrast against when the model's answer is empty or already the expected one.
+        elif f == "contrastive" and (not gen.strip() or gen.strip() == items[i].answer.strip()):
+            f = "classic"
+        out.append(QueryItem(items[i].position, items[i].question_text(), items[i].answer, gen,
+                             cap.base_generated[i] if cap.base_generated else "", f))
+    return out
+
+
+def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *, chat: bool, max_len: int):
+    """The tokenized rows each query is made of: (rows, sign, owner) for the loss-based queries (loss(expected),
+    minus loss(generated) for contrastive ones, each row's query in `owner`) and [(query, row)] for margin queries.
+    `query_vectors` differentiates these rows and `query_losses` evaluates them, so the two agree by construction."""
+    by_pos = {it.position: it for it in items}
+    rows, sign, owner, margin_rows = [], [], [], []
+    for qi, q in enumerate(queries):
+        it = by_pos[q.item]
+        t = tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len)
+        if q.formulation == "margin":
+            margin_rows.append((qi, t))
+            continue
+        rows.append(t)
+        sign.append(1.0)
+        owner.append(qi)
+        if q.formulation == "contrastive":
+            rows.append(tokenize_example(tokenizer, eval_answer_example(it, contrast_answer(q.expected, q.generated), chat),
+                                         max_len))
+            sign.append(-1.0)
+            owner.append(qi)
+    return rows, sign, owner, margin_rows
+
+
+def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *,
+                  chat: bool, max_len: int, batch_size: int) -> torch.Tensor:
+    """[Q, dim] query gradients (contrastive differences where formulated so)."""
+    rows, sign, owner, margin_rows = query_rows(tokenizer, items, queries, chat=chat, max_len=max_len)
+    out = torch.zeros(len(queries), capture.dim)
+    device = next(capture.model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for part, ids, attn, sup in batches(rows, range(len(rows)), batch_size, pad, device):
+        vecs, _ = capture.vectors(ids, attn, sup)
+        for j, v in zip(part, vecs.cpu()):
+            out[owner[j]] += sign[j] * v
+    mtoks = [t for _, t in margin_rows]
+    for part, ids, attn, sup in batches(mtoks, range(len(mtoks)), batch_size, pad, device):
+        vecs, _ = capture.margin_vectors(ids, attn, sup)
+        for j, v in zip(part, vecs.cpu()):
+            out[margin_rows[j][0]] += v
+    return out
+
+
+@torch.no_grad()
+def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *, chat: bool, max_len: int,
+                 batch_size: int) -> np.ndarray:
+    """The scalar query loss L_q of each query under `model` (float64), the function whose gradient
+    `query_vectors` takes: loss(expected) - loss(generated) (contrastive), loss(expected) (classic) or -margin at
+    the decisive token (margin; the token is chosen under this model)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = np.zeros(len(queries))
+    rows, sign, owner, mrows = query_rows(tokenizer, items, queries, chat=chat, max_len=max_len)
+    for part, ids, attn, sup in batches(rows, range(len(rows)), batch_size, pad, device):
+        losses = per_example_loss(model, ids, attn, sup).double().cpu().numpy()
+        for j, v in zip(part, losses):
+            out[owner[j]] += sign[j] * float(v)
+    mtoks = [t for _, t in mrows]
+    for part, ids, attn, sup in batches(mtoks, range(len(mtoks)), batch_size, pad, device):
+        losses, _ = margin_losses(model, ids, attn, sup)
+        for j, v in zip(part, losses.double().cpu().numpy()):
+            out[mrows[j][0]] += float(v)
+    return out
+
+
+def loglik_flags(qitems: Sequence[QueryItem]) -> list[tuple[str, str, str, str]]:
+    """The report flags (id, level, message, fix) of queries built for `evaluation.metric: loglik`."""
+    forms = [q.formulation for q in qitems]
+    out = []
+    if "classic" in forms:
+        out.append(("attribution.loglik_classic_fallback", "warning",
+                    f"evaluation.metric is loglik and {forms.count('classic')} item(s) use the classic query "
+                    "(grad loss(expected)), whose sign can invert on substitution failures",
+                    "set attribution.query: contrastive (the margin query is used where no answer differs)"))
+    n_c, n_m = forms.count("contrastive"), forms.count("margin")
+    if n_c or n_m:
+        out.append(("attribution.loglik_margin", "info",
+                    f"evaluation.metric is loglik: {n_c} item(s) use the contrastive query against the fine-tune's "
+                    f"greedy answer (full expected-answer log-prob against it); {n_m} item(s) whose greedy answer is the "
+                    "expected one use the margin query (the expected token's logit against the log-sum-exp of the "
+                    "others, at its least-preferred answer token)", ""))
+    return out

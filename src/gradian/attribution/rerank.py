@@ -1,0 +1,133 @@
+"""Exact re-ranking of a projected index's top rows, and projected-vs-exact agreement (pure functions).
+
+With a projected index the top `grads.rerank` rows are re-scored with exact gradients. For a preconditioned query
+H^-1 = (I - M) / lambda per block (M the low-rank or diagonal part), so a candidate's exact score splits into the
+identity part, scored in parameter space against its exact gradient (`e`), and the correction M, scored in index
+space (`r`): score = <r, P(g)> + <e, g> (`exact_directions`). A sample of `grads.fidelity_sample` rows measures how
+well the projected scores agree with exact ones (`self_check`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from scipy.stats import pearsonr, spearmanr
+
+from ..grads.layout import expand
+from .scoring import Scores, aggregate, harm_directions, harm_factor, rank, unit_queries
+
+
+def topk_recall(exact: np.ndarray, approx: np.ndarray, k: int) -> float:
+    k = min(k, exact.size)
+    return len(set(rank(exact, k).tolist()) & set(rank(approx, k).tolist())) / k
+
+
+def spearman_within_top(exact: np.ndarray, approx: np.ndarray, frac: float = 0.05, min_rows: int = 10) -> float:
+    """Rank agreement among the rows that matter: the exact top `frac` (at least `min_rows` rows)."""
+    k = min(exact.size, max(min_rows, int(np.ceil(frac * exact.size))))
+    top = rank(exact, k)
+    return float(spearmanr(exact[top], approx[top]).statistic)
+
+
+def agreement(exact: np.ndarray, approx: np.ndarray) -> dict:
+    """Mean over queries (rows of [Q, N]) of each figure."""
+    exact, approx = np.atleast_2d(exact), np.atleast_2d(approx)
+    figs = {"top10_recall": [], "top50_recall": [], "spearman_top5pct": [], "pearson": [], "spearman": []}
+    for e, a in zip(exact, approx):
+        figs["top10_recall"].append(topk_recall(e, a, 10))
+        figs["top50_recall"].append(topk_recall(e, a, 50))
+        figs["spearman_top5pct"].append(spearman_within_top(e, a))
+        figs["pearson"].append(float(pearsonr(e, a).statistic))
+        figs["spearman"].append(float(spearmanr(e, a).statistic))
+    return {k: float(np.nanmean(v)) for k, v in figs.items()}
+
+
+def rerank_order(approx: np.ndarray, candidates: np.ndarray, exact_candidate_scores: np.ndarray) -> np.ndarray:
+    """Candidates first, ordered by their exact scores; every other row after them by its approximate score."""
+    cand_order = candidates[np.lexsort((candidates, -exact_candidate_scores))]
+    rest = np.setdiff1d(rank(approx), candidates, assume_unique=False)
+    rest = rest[np.lexsort((rest, -approx[rest]))]
+    return np.concatenate([cand_order, rest])
+
+
+def order_scores(order: np.ndarray) -> np.ndarray:
+    """Pseudo-scores whose descending order is `order` (for rank-based agreement figures)."""
+    out = np.empty(order.size, dtype=np.float64)
+    out[order] = -np.arange(order.size, dtype=np.float64)
+    return out
+
+
+def exact_directions(sc: Scores, q_index: np.ndarray, q_exact: np.ndarray, index_widths, exact_widths,
+                     direction: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """(e [Q, D_exact], r [Q, dim] or None): a candidate's exact score is <e, g_exact> (+ <r, P(g)>)."""
+    pre = sc.precond
+    if pre.kind == "identity":
+        return harm_directions(unit_queries(q_exact), direction), None
+    # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
+    c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
+    scale_idx = expand(pre.identity_scale, index_widths)
+    scale_ex = expand(pre.identity_scale, exact_widths)
+    e = c[:, None] * scale_ex[None, :] * q_exact.astype(np.float64)
+    r = sc.w - c[:, None] * scale_idx[None, :] * q_index.astype(np.float64)
+    return e, r
+
+
+def candidates(rank_agg: np.ndarray, k: int) -> np.ndarray:
+    """The rows re-scored exactly: the top k by the ranking score."""
+    return rank(rank_agg, min(k, rank_agg.size))
+
+
+def fidelity_sample(n: int, k: int, seed: int) -> np.ndarray:
+    """The seeded sample of rows the projected-vs-exact self-check is measured on (sorted)."""
+    if not k:
+        return np.array([], dtype=int)
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n, size=min(k, n), replace=False))
+
+
+def put_exact_items(sc: Scores, cand: np.ndarray, exact: np.ndarray) -> None:
+    """The candidates' exact per-item scores [Q, len(cand)] in place of their projected ones."""
+    sc.cand = cand.astype(np.int64)
+    per_item = sc.per_item.copy()
+    per_item[:, cand] = exact
+    rank_item = sc.rank_item.copy()
+    rank_item[:, cand] = exact
+    sc.per_item, sc.rank_item = per_item, rank_item
+
+
+def put_exact_order(sc: Scores, cand: np.ndarray, exact_agg: np.ndarray) -> None:
+    """The candidates first in the ranking, by their exact ranking scores; every other row after them."""
+    sc.order = rerank_order(sc.rank_agg, cand, exact_agg)
+    rank_agg = sc.rank_agg.copy()
+    rank_agg[cand] = exact_agg
+    sc.rank_agg = rank_agg
+
+
+def parameter_directions(sc: Scores, projector, exact_part: bool) -> np.ndarray:
+    """Parameter-space directions [Q, D_exact] whose inner products with a row's exact gradient give its score:
+    P^T w for index-scored rows; P^T r + e for a projected index's re-ranked candidates."""
+    from ..projection import back_project
+
+    if not exact_part or sc.e is None:
+        return back_project(projector, sc.w)
+    if sc.r is None:
+        return sc.e
+    return back_project(projector, sc.r) + sc.e
+
+
+def self_check(exact_s: np.ndarray, projected_s: np.ndarray, sample: np.ndarray, order: Optional[np.ndarray],
+               n_rows: int, n_queries: int, n_rerank: int) -> dict:
+    """Projected-vs-exact agreement on the sample rows: per item, on the aggregate, and of the re-ranked order a
+    user reads (exact candidates first) with the exact order."""
+    fid = {"sample_rows": int(sample.size), "queries": int(n_queries), "rerank_rows": int(n_rerank),
+           "projected": agreement(exact_s, projected_s),
+           "projected_aggregate": agreement(aggregate(exact_s)[None, :], aggregate(projected_s)[None, :]),
+           "reranked": None}
+    if order is not None:
+        pos_in_order = np.empty(n_rows, dtype=np.int64)
+        pos_in_order[order] = np.arange(n_rows)
+        agg_fake = order_scores(np.argsort(pos_in_order[sample], kind="stable"))
+        fid["reranked"] = agreement(aggregate(exact_s)[None, :], agg_fake[None, :])
+        fid["reranked"].pop("pearson", None)
+    return fid

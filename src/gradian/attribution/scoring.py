@@ -1,0 +1,125 @@
+"""Scores: the sign convention, per-item normalisation and aggregation, in one place; pure functions over arrays.
+
+score(z) = -<q_hat, g_z>: the first-order change of the query loss caused by one SGD step on training row z
+(theta' = theta - lr * g_z gives dL_q ~ -lr <g_q, g_z>), per unit of lr and unit query norm. A positive score means
+training on z pushed the model toward the failure ("harmful", accused); a negative one means it pulled the model
+toward the right answer ("helpful"). With the contrastive query L_q = loss(expected) - loss(generated wrong answer).
+For an improvement the scores are flipped (`direction_sign`), so they rank the rows that helped it.
+
+`score` turns query gradients, training rows and a fitted preconditioner into a `Scores` (per-item scores [Q, N]
+and the harm-signed directions that reproduce them, `per_item = w @ g`); `attribution.windows`,
+`attribution.rerank` and `attribution.checkpoints` refine it, each from arrays alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+HARM_SIGN = -1.0
+
+
+def direction_sign(direction: str) -> float:
+    """+1 for a regression, -1 for an improvement: the sign that makes a positive score mean "caused the change"."""
+    return -1.0 if direction == "improvement" else 1.0
+
+
+def unit_queries(q: np.ndarray) -> np.ndarray:
+    """Each query gradient scaled to unit norm, so every failing item weighs the same in the average."""
+    q = np.asarray(q, dtype=np.float32)
+    norms = np.linalg.norm(q, axis=1, keepdims=True)
+    return q / np.maximum(norms, 1e-30)
+
+
+def harm_from_inner(inner: np.ndarray) -> np.ndarray:
+    """Inner products <q_hat, g> [Q, N] -> harm scores."""
+    return HARM_SIGN * inner
+
+
+def item_scores(inner: np.ndarray, direction: str) -> np.ndarray:
+    """Per-item scores [Q, N] from the inner products of the unit (preconditioned) queries with the rows."""
+    return direction_sign(direction) * harm_from_inner(inner)
+
+
+def harm_factor(direction: str) -> float:
+    """The factor from an inner product <q_hat, g> to a score: item_scores(x) = harm_factor * x."""
+    return HARM_SIGN * direction_sign(direction)
+
+
+def harm_directions(unit: np.ndarray, direction: str) -> np.ndarray:
+    """The directions w [Q, dim] (float64) with item_scores(<unit, g>) = <w, g>."""
+    return harm_factor(direction) * np.asarray(unit, dtype=np.float32).astype(np.float64)
+
+
+def aggregate(per_item: np.ndarray) -> np.ndarray:
+    """Average the per-item score vectors (never the gradients: one large-norm item would dominate)."""
+    return per_item.mean(axis=0) if per_item.shape[0] else np.zeros(per_item.shape[1], dtype=np.float32)
+
+
+def rank(scores: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Positions by decreasing score; ties broken by position so the order is deterministic."""
+    order = np.lexsort((np.arange(scores.size), -scores))
+    return order if k is None else order[:k]
+
+
+def recall_at_k(scores: np.ndarray, planted: list[int], k: int) -> float:
+    if not planted:
+        return float("nan")
+    top = set(rank(scores, k).tolist())
+    return len(top & set(planted)) / min(k, len(planted))
+
+
+def auprc(scores: np.ndarray, planted: list[int]) -> float:
+    from sklearn.metrics import average_precision_score
+
+    y = np.zeros(scores.size, dtype=int)
+    y[list(planted)] = 1
+    if y.sum() == 0:
+        return float("nan")
+    return float(average_precision_score(y, scores))
+
+
+@dataclass
+class Scores:
+    """Per-item scores of every training row and what reproduces them.
+
+    Directions are harm-signed and include the per-item normalisation: a row's per-item score is <w_i, g_row> in
+    index space, or, for a re-ranked candidate of a projected index, <r_i, g_row> (index space) + <e_i,
+    g_row_exact> (parameter space)."""
+
+    per_item: np.ndarray  # [Q, N] total scores (exact for re-ranked candidates)
+    w: np.ndarray  # [Q, dim] index-space directions
+    unit: np.ndarray  # [Q, dim] float32 unit (preconditioned) queries, what the index is scored against
+    norms: np.ndarray  # [Q] norms of the (preconditioned) query gradients before the unit scaling
+    precond: object  # the fitted `Preconditioner`
+    rank_item: Optional[np.ndarray] = None  # [Q, N] scores the per-item rankings use (best window for long rows)
+    rank_agg: Optional[np.ndarray] = None  # [N] the score the ranking uses
+    order: Optional[np.ndarray] = None  # the ranking order when it is not rank(rank_agg) (exact re-ranking)
+    fidelity: Optional[dict] = None  # projected-vs-exact self-check
+    cand: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # re-ranked candidates
+    r: Optional[np.ndarray] = None  # [Q, dim] index-space part of a candidate's exact score
+    e: Optional[np.ndarray] = None  # [Q, D_exact] parameter-space part
+    long_rows: list = field(default_factory=list)
+    windows: dict = field(default_factory=dict)  # position -> {"tokens": (a, b), "score": best window (aggregate)}
+    window_items: bool = False  # per-item window scores computed for every long row
+    window_item_rows: list = field(default_factory=list)  # the long rows with per-item window scores
+
+
+def score(queries: np.ndarray, rows, preconditioner, direction: str) -> Scores:
+    """Per-item scores of every row for each query gradient (float32 [Q, dim] in the rows' space), through a fitted
+    preconditioner (q <- H^-1 q, then unit norm). `rows` is a `store.rows.RowSource` (its `inner` is the one matmul
+    against the index)."""
+    q = np.asarray(queries)
+    if preconditioner.kind == "identity":
+        unit = unit_queries(q)
+        norms = np.linalg.norm(q.astype(np.float32), axis=1)
+    else:
+        qp = preconditioner.apply(q)
+        norms = np.linalg.norm(qp, axis=1)
+        unit = unit_queries(qp)
+    per_item = item_scores(rows.inner(unit), direction)
+    sc = Scores(per_item=per_item, w=harm_directions(unit, direction), unit=unit, norms=norms, precond=preconditioner)
+    sc.rank_item, sc.rank_agg = per_item, aggregate(per_item)
+    return sc

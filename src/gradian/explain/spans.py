@@ -1,0 +1,216 @@
+"""Span drill-down: a row's contributions summed over the sentences of its text.
+
+Character offsets index `Example.plain_text()` (what the report's ranking rows show as `text`; for `messages` rows
+"role: content" lines, for `text` and `prompt`/`completion` rows the record's own text). Tokens are mapped there
+through `Tokenized.offsets` (into the rendered text) and, for chat-template rows, the position of each message's
+content in both renderings; template tokens (a turn's end-of-turn token) count toward the sentence they close. A
+row's span scores add up to its per-item score: every supervised token's contribution (`grads.tangents`) lands in
+exactly one span.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from ..setup.records import Example
+from ..setup.tokenize import Tokenized
+
+SPAN_ROWS = 10  # ranking rows that get a span drill-down
+SPANS_PER_ROW = 3
+
+
+_SENT_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n+")
+
+
+def sentence_ranges(text: str, start: int = 0, end: Optional[int] = None) -> list[tuple[int, int]]:
+    """[start, end) character ranges of the sentences (split after . ! ? plus white space, and at line breaks) of
+    text[start:end], surrounding white space trimmed; empty pieces dropped."""
+    end = len(text) if end is None else end
+    out, a = [], start
+    for m in _SENT_END.finditer(text, start, end):
+        out.append((a, m.start()))
+        a = m.end()
+    out.append((a, end))
+    trimmed = []
+    for a, b in out:
+        while a < b and text[a].isspace():
+            a += 1
+        while b > a and text[b - 1].isspace():
+            b -= 1
+        if b > a:
+            trimmed.append((a, b))
+    return trimmed
+
+
+def unit_ranges(ex: Example) -> list[tuple[int, int]]:
+    """Sentence ranges of `ex.plain_text()`; for chat rows the sentences of each message's content (a turn never
+    merges with the next, and the "role: " prefixes are no sentence)."""
+    text = ex.plain_text()
+    if ex.shape != "messages":
+        return sentence_ranges(text)
+    out, pos = [], 0
+    for m in ex.record["messages"]:
+        pos += len(m["role"]) + 2
+        out.extend(sentence_ranges(text, pos, pos + len(m["content"])))
+        pos += len(m["content"]) + 1
+    return out
+
+
+def _rendered_to_plain(ex: Example, tok: Tokenized) -> Optional[np.ndarray]:
+    """For each character of the rendered text, its plain-text character (or -1 when it is template text)."""
+    rendered, plain = tok.text, ex.plain_text()
+    if ex.shape != "messages":
+        m = np.full(len(rendered), -1, dtype=np.int64)
+        k = min(len(rendered), len(plain))
+        if rendered[:k] == plain[:k]:
+            m[:k] = np.arange(k)
+            return m
+        start = rendered.find(plain)
+        if start < 0:
+            return None
+        m[start : start + len(plain)] = np.arange(len(plain))
+        return m
+    m = np.full(len(rendered), -1, dtype=np.int64)
+    cur, ppos = 0, 0
+    for msg in ex.record["messages"]:
+        ppos += len(msg["role"]) + 2
+        c = msg["content"]
+        at = rendered.find(c, cur) if c else cur
+        if at < 0:
+            return None
+        m[at : at + len(c)] = np.arange(ppos, ppos + len(c))
+        cur = at + len(c)
+        ppos += len(c) + 1
+    return m
+
+
+def token_char_ranges(ex: Example, tok: Tokenized, tokenizer=None) -> list[tuple[int, int]]:
+    """For each token of `tok`, the [start, end) plain-text characters it covers. A token with no record character
+    (template text, e.g. an end-of-turn token) gets the empty range at the end of the last record character before
+    it; (-1, -1) when nothing maps (no offsets and no tokenizer to rebuild them)."""
+    offsets = tok.offsets
+    if offsets is None and tokenizer is not None:
+        offsets = _rebuild_offsets(tok, tokenizer)
+    n = len(tok.input_ids)
+    cmap = _rendered_to_plain(ex, tok) if offsets is not None else None
+    if cmap is None:
+        return [(-1, -1)] * n
+    out, last = [], -1
+    for a, b in offsets[:n]:
+        hits = [int(cmap[c]) for c in range(max(a, 0), min(b, len(cmap))) if cmap[c] >= 0]
+        if hits:
+            out.append((hits[0], hits[-1] + 1))
+            last = hits[-1]
+            continue
+        prev = -1
+        for c in range(min(a, len(cmap)) - 1, -1, -1):
+            if cmap[c] >= 0:
+                prev = int(cmap[c])
+                break
+        prev = prev if prev >= 0 else last
+        out.append((prev + 1, prev + 1) if prev >= 0 else (-1, -1))
+    return out
+
+
+def token_char_anchors(ex: Example, tok: Tokenized, tokenizer=None) -> list[int]:
+    """For each token, a plain-text character it belongs to: its first record character, else (template tokens)
+    the last record character before it; -1 when none."""
+    return [a if b > a else (a - 1 if a > 0 else -1) for a, b in token_char_ranges(ex, tok, tokenizer)]
+
+
+def _rebuild_offsets(tok: Tokenized, tokenizer) -> Optional[list[tuple[int, int]]]:
+    """Offsets by decoding each token and finding it in the rendered text in order (templates whose token ids
+    differ from the plain encoding; best effort)."""
+    out, cur = [], 0
+    for t in tok.input_ids:
+        piece = tokenizer.decode([t])
+        at = tok.text.find(piece, cur) if piece else -1
+        if at < 0:
+            out.append((cur, cur))
+            continue
+        out.append((at, at + len(piece)))
+        cur = at + len(piece)
+    return out
+
+
+def supervised_token_indices(tok: Tokenized) -> list[int]:
+    """Positions of the supervised targets, in the order `token_contributions` lists them."""
+    return [i for i, s in enumerate(tok.supervised) if s and i > 0]
+
+
+def row_spans(ex: Example, tok: Tokenized, contrib: np.ndarray, tokenizer=None) -> list[dict]:
+    """Sentence spans of a row with their summed contributions, sorted by score (highest first).
+
+    Every supervised token's contribution lands in exactly one span (a token outside every sentence goes to the
+    nearest sentence before it, else the first), so the span scores add up to the row's score."""
+    units = unit_ranges(ex)
+    text = ex.plain_text()
+    if not units:
+        units = [(0, len(text))]
+    starts = np.array([a for a, _ in units])
+    anchors = token_char_anchors(ex, tok, tokenizer)
+    sup = supervised_token_indices(tok)
+    contrib = np.asarray(contrib, dtype=np.float64)
+    if len(sup) != contrib.size:
+        raise ValueError(f"{contrib.size} contributions for {len(sup)} supervised tokens")
+    score = np.zeros(len(units))
+    ntok = np.zeros(len(units), dtype=np.int64)
+    for t, c in zip(sup, contrib):
+        ch = anchors[t] if t < len(anchors) else -1
+        u = int(np.searchsorted(starts, ch, side="right") - 1) if ch >= 0 else 0
+        u = min(max(u, 0), len(units) - 1)
+        score[u] += c
+        ntok[u] += 1
+    spans = [{"start": int(a), "end": int(b), "text": text[a:b], "score": float(sc), "tokens": int(k)}
+             for (a, b), sc, k in zip(units, score, ntok) if k > 0]
+    spans.sort(key=lambda d: (-d["score"], d["start"]))
+    return spans
+
+
+def window_char_range(ex: Example, tok: Tokenized, a: int, b: int, tokenizer=None) -> Optional[tuple[int, int]]:
+    """Plain-text character range covered by supervised tokens [a, b) (indices among the supervised tokens)."""
+    sup = supervised_token_indices(tok)[a:b]
+    ranges = token_char_ranges(ex, tok, tokenizer)
+    got = [ranges[t] for t in sup if t < len(ranges) and ranges[t][0] >= 0]
+    if not got:
+        return None
+    return min(r[0] for r in got), max(r[1] for r in got)
+
+
+def spans_for(ranking: list[dict], rank_item: np.ndarray, cand: set, examples, toks, qitems, contributions,
+              tokenizer=None) -> list[dict]:
+    """Sentence spans of the top `SPAN_ROWS` ranking rows against each row's most-harmed failing item
+    (`ranking[i]["top_span"]`, in place, and the returned list). `contributions(exact_part, positions, items)` gives
+    the per-token contributions {(position, item): c} along the directions that reproduce the rows' scores (the
+    exact ones for re-ranked candidates `cand`). A row's span scores add up to its per-item score for that item."""
+    rows = ranking[:SPAN_ROWS]
+    if not rows:
+        return []
+    positions = [r["position"] for r in rows]
+    items = [int(np.argmax(rank_item[:, p])) for p in positions]
+    out: list[dict] = []
+    groups = {False: [j for j, p in enumerate(positions) if p not in cand],
+              True: [j for j, p in enumerate(positions) if p in cand]}
+    for exact_part, js in groups.items():
+        if not js:
+            continue
+        res = contributions(exact_part, [positions[j] for j in js], [items[j] for j in js])
+        for j in js:
+            p, k = positions[j], items[j]
+            contrib = res[(p, k)]
+            spans = row_spans(examples[p], toks[p], contrib, tokenizer)
+            if not spans:
+                continue
+            total = float(contrib.sum())
+            top = spans[0]
+            rows[j]["top_span"] = {"start": top["start"], "end": top["end"], "text": top["text"],
+                                   "score": top["score"], "item": int(qitems[k].item), "item_score": total}
+            for sp in spans[:SPANS_PER_ROW]:
+                out.append({"position": p, "start": sp["start"], "end": sp["end"], "text": sp["text"],
+                            "score": sp["score"], "tokens": sp["tokens"], "item": int(qitems[k].item),
+                            "item_score": total, "share": sp["score"] / total if total else None})
+    out.sort(key=lambda d: (-d["score"], d["position"], d["start"]))
+    return out

@@ -1,0 +1,127 @@
+"""Per-example LoRA gradients from one batched backward, via hooks on the LoRA A and B Linear modules.
+
+For a LoRA Linear, y += B(A(x)) * s. With x the A input, h = A(x) the B input, and gh = dL/dh, gz = dL/dB(h),
+each example's gradients are dA = sum_t gh_t x_t^T and dB = sum_t gz_t h_t^T. The backward asks autograd only for
+gh and gz (never for parameter .grad), so the weight-gradient matmuls a plain backward would do are replaced by
+per-example ones of the same cost.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..projection import Projector
+from ..setup.model import LoraSite
+from .layout import site_shapes
+from .objectives import margin_losses, per_example_loss
+
+
+class _Recorder:
+    """Forward hooks that keep each site's inputs and outputs for the duration of one forward."""
+
+    def __init__(self, sites: Sequence[LoraSite]):
+        self.sites = list(sites)
+        self.a_in: list[list[Tensor]] = [[] for _ in self.sites]
+        self.a_out: list[list[Tensor]] = [[] for _ in self.sites]
+        self.b_in: list[list[Tensor]] = [[] for _ in self.sites]
+        self.b_out: list[list[Tensor]] = [[] for _ in self.sites]
+        self._handles = []
+
+    def __enter__(self):
+        for i, s in enumerate(self.sites):
+            self._handles.append(s.A.register_forward_hook(self._hook(self.a_in[i], self.a_out[i])))
+            self._handles.append(s.B.register_forward_hook(self._hook(self.b_in[i], self.b_out[i])))
+        return self
+
+    @staticmethod
+    def _hook(ins: list, outs: list):
+        def fn(module, args, output):
+            ins.append(args[0].detach())
+            outs.append(output)
+
+        return fn
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def per_example_site_grads(x: Tensor, gh: Tensor, h: Tensor, gz: Tensor) -> tuple[Tensor, Tensor]:
+    """dA [B, r, d_in] and dB [B, d_out, r] from inputs/output-grads [B, T, .] (float32 accumulation)."""
+    dA = torch.einsum("btr,bti->bri", gh.float(), x.float())
+    dB = torch.einsum("bto,btr->bor", gz.float(), h.float())
+    return dA, dB
+
+
+class GradientCapture:
+    """Turns batches into per-example gradient vectors [B, dim] in the projector's space."""
+
+    def __init__(self, model, sites: Sequence[LoraSite], projector: Optional[Projector] = None, *, chunk: int = 1024):
+        self.model = model
+        self.sites = list(sites)
+        self.projector = projector or Projector(site_shapes(self.sites))
+        self.chunk = chunk
+
+    @property
+    def dim(self) -> int:
+        return self.projector.dim
+
+    @contextmanager
+    def _recording(self):
+        with _Recorder(self.sites) as rec:
+            yield rec
+
+    def site_grads(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, weights: Optional[Tensor] = None):
+        """Per-site exact (dA, dB) of each example's summed supervised loss, and the per-example losses."""
+        with self._recording() as rec:
+            losses = per_example_loss(self.model, input_ids, attention_mask, supervised, chunk=self.chunk)
+        total = (losses * weights).sum() if weights is not None else losses.sum()
+        return self.grads_from_recording(rec, total, input_ids.shape[0]), losses.detach()
+
+    def grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int) -> list[tuple[Tensor, Tensor]]:
+        """Per-site exact (dA, dB) of `total` (a sum of per-example objectives) from one recorded forward."""
+        targets, spans = [], []
+        for i in range(len(self.sites)):
+            spans.append((len(targets), len(rec.a_out[i]), len(rec.b_out[i])))
+            targets.extend(rec.a_out[i])
+            targets.extend(rec.b_out[i])
+        grads = torch.autograd.grad(total, targets, allow_unused=True) if targets else []
+        out = []
+        for i, s in enumerate(self.sites):
+            start, na, nb = spans[i]
+            ga, gb = grads[start : start + na], grads[start + na : start + na + nb]
+            calls = [c for c in zip(rec.a_in[i], ga, rec.b_in[i], gb) if c[1] is not None and c[3] is not None]
+            if len(calls) == 1:  # the usual case: no zero-fill and accumulation copy of the full gradient
+                out.append(per_example_site_grads(*calls[0]))
+                continue
+            device = rec.a_in[i][0].device if rec.a_in[i] else None
+            dA = torch.zeros(batch, s.r, s.d_in, device=device)
+            dB = torch.zeros(batch, s.d_out, s.r, device=device)
+            # A module called several times in one forward contributes once per call.
+            for x, gh, h, gz in calls:
+                a, b = per_example_site_grads(x, gh, h, gz)
+                dA += a
+                dB += b
+            out.append((dA, dB))
+        return out
+
+    def vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, weights: Optional[Tensor] = None):
+        """[B, dim] float32 gradient vectors (projected if the projector projects) and [B] losses."""
+        per_site, losses = self.site_grads(input_ids, attention_mask, supervised, weights)
+        vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
+        return torch.cat(vecs, dim=1), losses
+
+    def margin_vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor):
+        """[B, dim] gradients of each example's margin-query loss (`objectives.margin_losses`) in the capture's space,
+        and the losses: the same per-example hook algebra as `site_grads`, with the margin loss in place of the summed
+        token loss."""
+        with self._recording() as rec:
+            losses, _ = margin_losses(self.model, input_ids, attention_mask, supervised)
+        per_site = self.grads_from_recording(rec, losses.sum(), input_ids.shape[0])
+        vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
+        return torch.cat(vecs, dim=1), losses.detach()

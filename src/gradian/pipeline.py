@@ -1,0 +1,267 @@
+"""The pipeline behind `gradian attribute`, one function per stage, left to right:
+
+    setup (open_session, checks) -> capability (evaluate) -> index (index_stage) -> queries and scores
+    (score_stage: attribution.engine + checkpoints) -> explain (rank_rows, spans, clusters, blame) -> report
+
+`attribute` composes them and writes report.json, scores.npy and report.html; `evaluate` and `index_stage` are also
+the `evaluate` and `index` verbs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import numpy as np
+
+from .attribution.checkpoints import over_checkpoints
+from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, score_items
+from .attribution.queries import loglik_flags, query_items, select_failing
+from .attribution.rerank import parameter_directions
+from .attribution.scoring import Scores, aggregate, auprc, rank, recall_at_k
+from .attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
+from .capability.evaluate import CapabilityResult, measure_capability
+from .config import Config, dump_config
+from .errors import ModelError
+from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
+from .explain.clusters import score_clusters
+from .explain.spans import spans_for, window_char_range
+from .io import atomic_save_npy, atomic_write_text
+from .report.build import SCHEMA, capability_json, preview, score_summary, verdict_text, write_report
+from .setup.session import Session, open_session
+from .store.build import OpenIndex, open_index
+
+
+# ------------------------------------------------------------------------------------------------- stages
+
+
+def evaluate(s: Session) -> CapabilityResult:
+    """The capability delta: base vs fine-tune on the eval set."""
+    if not s.eval_items:
+        raise ModelError("data.eval is not set: nothing to evaluate (evaluation.no_eval_set)",
+                         check="evaluation.no_eval_set")
+    c, e = s.cfg, s.cfg.evaluation
+    t0 = time.time()
+    res = measure_capability(
+        s.model, s.tokenizer, s.eval_items, metric=e.metric, chat=s.chat, max_new_tokens=e.max_new_tokens,
+        batch_size=e.batch_size, max_len=c.grads.max_seq_length, samples=e.bootstrap_samples, confidence=e.confidence,
+        seed=c.seed,
+    )
+    s.timings["evaluate"] = round(time.time() - t0, 3)
+    return res
+
+
+def index_stage(s: Session) -> OpenIndex:
+    """Build or reuse the gradient index of the training set."""
+    t0 = time.time()
+    ix = open_index(s.cfg, s.model, s.sites, s.toks, s.adapter_path, s.pad_id)
+    s.timings["index"] = round(time.time() - t0, 3)
+    n_empty = sum(1 for t in s.toks if t.n_supervised == 0)
+    if n_empty:
+        first = [e.id for e, t in zip(s.examples, s.toks) if t.n_supervised == 0][:3]
+        s.flag("data.no_supervised_tokens", "warning", f"{n_empty} rows have no supervised tokens after truncation to "
+               f"{s.cfg.grads.max_seq_length} (first: {', '.join(first)}); their gradient is zero",
+               "raise grads.max_seq_length or shorten the prompts")
+    return ix
+
+
+def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scores:
+    """The scores of the session's (active) adapter alone, with the config's settings but `settings` (e.g.
+    `preconditioner="identity"`, `windows=False`)."""
+    return score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems,
+                       ScoringSettings.from_config(s.cfg, direction, **settings), block_dims=block_dims_of(ix.index))
+
+
+def score_stage(s: Session, ix: OpenIndex, qitems, direction: str) -> tuple[Scores, Optional[dict]]:
+    """The final adapter's scores (`attribution.engine.score_items`), averaged over the checkpoints
+    (`attribution.checkpoints`); the report's checkpoints entry, if any."""
+    settings = ScoringSettings.from_config(s.cfg, direction)
+    sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
+                     block_dims=block_dims_of(ix.index))
+    return sc, over_checkpoints(s, sc, qitems, settings)
+
+
+def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores]
+              ) -> list[dict]:
+    """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?)."""
+    top = order[: s.cfg.attribution.top_k].tolist()
+    kw = dict(batch_size=s.cfg.grads.batch_size, pad_id=s.pad_id)
+    base_l = row_losses(s.model, s.toks, top, base=True, **kw)
+    tuned_l = row_losses(s.model, s.toks, top, base=False, **kw)
+    ranking = []
+    for r, (p, bl, tl) in enumerate(zip(top, base_l, tuned_l), start=1):
+        ex = s.examples[p]
+        v = row_verdict(bl, tl)
+        row = {"rank": r, "position": p, "id": ex.id, "score": float(totals[p]),
+               "window_score": float(scores[p]), "preview": preview(ex.plain_text()), "text": ex.plain_text(),
+               "base_loss": float(bl), "tuned_loss": float(tl)}
+        if sc is not None:
+            row["verdict"] = v
+            row["verdict_text"] = ROW_VERDICT_TEXT[v]
+            if p in sc.windows:
+                a, b = sc.windows[p]["tokens"]
+                rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
+                row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
+        ranking.append(row)
+    return ranking
+
+
+def spans_stage(s: Session, ix: OpenIndex, sc: Scores, ranking: list[dict], qitems) -> list[dict]:
+    grads = ModelGradients.from_session(s, ix.capture)
+
+    def contributions(exact_part: bool, positions, items):
+        return grads.contributions(parameter_directions(sc, ix.capture.projector, exact_part), positions, items)
+
+    return spans_for(ranking, sc.rank_item, set(sc.cand.tolist()), s.examples, s.toks, qitems, contributions,
+                     s.tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------- attribute
+
+
+def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
+    """The main job: evaluate, index, query, score, explain; writes report.json, scores.npy and report.html and
+    returns the report."""
+    from .checks import run_checks_for_session
+
+    t_all = time.time()
+    s = open_session(cfg)
+    run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
+    out_dir = cfg.output_dir
+    report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}
+    report["settings"].pop("root", None)
+    cap, verdict, direction, failing = _capability(s, out_dir)
+    report["capability"] = capability_json(cap, s.eval_items) if cap else None
+    qitems = query_items(cap, s.eval_items, failing[: cfg.attribution.max_items], cfg.attribution.query,
+                         metric=cfg.evaluation.metric) if cap else []
+    if cap is not None and cfg.evaluation.metric == "loglik":
+        for f in loglik_flags(qitems):
+            s.flag(*f)
+    report["query"] = {"formulation": cfg.attribution.query, "direction": direction, "items": []}
+    scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
+    if verdict != "declined":
+        ix = index_stage(s)
+        report["index"] = ix.info.summary()
+        t0 = time.time()
+        sc = None
+        if verdict == "attributed":
+            sc = _attributed_scores(s, ix, qitems, direction, report)
+            order, scores, totals = sc.order, sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
+        else:
+            order, scores = None, _self_influence(ix)
+            totals = scores
+        s.timings["score"] = round(time.time() - t0, 3)
+        t0 = time.time()
+        ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
+        s.timings["base_scores"] = round(time.time() - t0, 3)
+        if sc is not None and ranking:
+            t0 = time.time()
+            spans_out = spans_stage(s, ix, sc, ranking, qitems)
+            s.timings["spans"] = round(time.time() - t0, 3)
+            t0 = time.time()
+            cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed, gradients=ix.rows,
+                                previews=[preview(e.plain_text()) for e in s.examples])
+            clusters = cl["clusters"]
+            report["clusters_info"] = {k: v for k, v in cl.items() if k != "clusters"}
+            s.timings["clusters"] = round(time.time() - t0, 3)
+            t0 = time.time()
+            blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking, direction,
+                              chat=s.chat, max_len=cfg.grads.max_seq_length, batch_size=cfg.evaluation.batch_size)
+            s.timings["blame"] = round(time.time() - t0, 3)
+        ix.close()
+    report.update({
+        "verdict": verdict,
+        "verdict_text": verdict_text(verdict, cap, len(qitems), direction),
+        "ranking": ranking,
+        "clusters": clusters,
+        "spans": spans_out,
+        "scores_summary": score_summary(scores) if scores is not None else {"n": 0},
+    })
+    if blame_out is not None:
+        report["blame"] = blame_out
+    report.setdefault("index", None)
+    if truth is not None:
+        report["truth"] = truth
+        if scores is not None and truth.get("planted"):
+            report["metrics"] = {"recall_at_10": recall_at_k(scores, truth["planted"], 10),
+                                 "auprc": auprc(scores, truth["planted"])}
+    s.timings["total"] = round(time.time() - t_all, 3)
+    report["timings"] = s.timings
+    _write(cfg, report, scores, totals if verdict == "attributed" else None)
+    return report
+
+
+def _capability(s: Session, out_dir) -> tuple[Optional[CapabilityResult], str, str, list[int]]:
+    """(capability, verdict, direction, failing items): `smoke_test` without an eval set, `declined` when the
+    change is not significant (or no item moved)."""
+    cfg = s.cfg
+    if s.eval_items is None:
+        s.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
+        s.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
+               "add data.eval")
+        return None, "smoke_test", "", []
+    cap = evaluate(s)
+    atomic_write_text(out_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
+    failing, direction = select_failing(cap, s.eval_items)
+    if not cap.significant:
+        s.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
+               f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
+               "includes zero", "add eval items or check that the fine-tune changed this capability")
+    declined = (not cap.significant and cfg.evaluation.require_significant) or not failing
+    return cap, "declined" if declined else "attributed", direction, failing
+
+
+def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report: dict) -> Scores:
+    """The scores of an attributed run, with their report entries (preconditioner, windows, checkpoints, the
+    projection self-check and the per-item rankings) and flags."""
+    cfg = s.cfg
+    sc, ck = score_stage(s, ix, qitems, direction)
+    if ck is not None:
+        report["query"]["checkpoints"] = ck
+    report["query"]["preconditioner"] = sc.precond.describe()
+    report["windows"] = {
+        "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
+        "per_item_rows": len(sc.window_item_rows),
+        "rule": (f"rows with more than {WINDOW_TOKENS} supervised tokens are ranked by their best window "
+                 f"({WINDOW_TOKENS} supervised tokens, stride {WINDOW_STRIDE}); every other row by its total "
+                 "score; scores.npy holds the ranking score, scores_total.npy the totals"),
+    }
+    if sc.long_rows and not sc.window_items:
+        s.flag("attribution.windows_aggregate_only", "info",
+               f"{len(qitems)} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
+               f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
+               "too; the per-item rankings use the other long rows' totals")
+    fid = sc.fidelity
+    if fid is not None:
+        report["index"]["fidelity"] = fid
+        low = (fid["reranked"] or fid["projected_aggregate"])["top50_recall"]
+        if low < cfg.grads.fidelity_warn:
+            s.flag("index.projection_fidelity", "warning",
+                   f"projected scores agree poorly with exact ones (top-50 recall {low:.2f} on a sample of "
+                   f"{fid['sample_rows']} rows)", "raise grads.projection_dim or grads.rerank")
+    for qi, row, rrow in zip(qitems, sc.per_item, sc.rank_item):
+        top = rank(rrow, cfg.attribution.top_k)
+        report["query"]["items"].append({
+            "item": qi.item, "prompt": qi.prompt, "expected": qi.expected, "generated": qi.generated,
+            "base_generated": qi.base_generated, "formulation": qi.formulation,
+            "ranking": [{"position": int(p), "score": float(rrow[p]),
+                         **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
+        })
+    return sc
+
+
+def _self_influence(ix: OpenIndex) -> np.ndarray:
+    """Smoke test (no eval set): each row's squared gradient norm, the rows most unlike the rest."""
+    sq = {k: float(v) for keys, block in ix.index.iter_shards() for k, v in zip(keys, np.square(block).sum(1))}
+    return np.array([sq[k] for k in ix.row_keys], dtype=np.float32)
+
+
+def _write(cfg: Config, report: dict, scores: Optional[np.ndarray], totals: Optional[np.ndarray]) -> None:
+    out_dir = cfg.output_dir
+    write_report(out_dir, report, scores)
+    if scores is not None and totals is not None:
+        atomic_save_npy(out_dir / "scores_total.npy", totals.astype(np.float32))
+    else:
+        (out_dir / "scores_total.npy").unlink(missing_ok=True)  # never leave a previous run's totals beside this report
+    atomic_write_text(out_dir / "gradian.resolved.yaml", dump_config(cfg))

@@ -1,0 +1,527 @@
+"""What each section of the HTML page shows, built from the report's JSON (untrusted: every value is coerced and
+every text later escaped by the template). `page_context` is the template's whole input."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..version import __version__
+from .plots import capability_svg, fmt_num, histogram_from_scores, histogram_svg
+
+# Long rows are trimmed around their highlighted span; the full text stays in the training file.
+MAX_ROW_CHARS = 4000
+CONTEXT_CHARS = 1500
+MAX_ITEMS_SHOWN = 500
+MAX_POSITIONS_SHOWN = 40
+
+_LEVEL_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def pct(x: Any, digits: int = 1) -> str:
+    v = as_float(x)
+    return "–" if v is None else f"{v * 100:.{digits}f}%"
+
+
+def signed(x: Any) -> str:
+    v = as_float(x)
+    if v is None:
+        return "–"
+    s = fmt_num(v, 3)
+    return s if s.startswith("-") or v == 0 else "+" + s
+
+
+def human_bytes(x: Any) -> str:
+    v = as_float(x)
+    if v is None:
+        return "–"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(v) < 1024 or unit == "TiB":
+            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} TiB"  # pragma: no cover
+
+
+def human_seconds(x: Any) -> str:
+    v = as_float(x)
+    if v is None:
+        return "–"
+    if v < 1:
+        return f"{v * 1000:.0f} ms"
+    if v < 120:
+        return f"{v:.1f} s"
+    m, s = divmod(v, 60)
+    if m < 120:
+        return f"{int(m)} min {s:.0f} s"
+    h, m = divmod(m, 60)
+    return f"{int(h)} h {int(m)} min"
+
+
+def as_float(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def as_int(x: Any) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def as_str(x: Any) -> str:
+    return "" if x is None else str(x)
+
+
+def as_dict(x: Any) -> dict[str, Any]:
+    return dict(x) if isinstance(x, Mapping) else {}
+
+
+def as_list(x: Any) -> list[Any]:
+    if x is None or isinstance(x, (str, bytes, Mapping)):
+        return []
+    try:
+        return list(x)
+    except TypeError:
+        return []
+
+
+# ------------------------------------------------------------------------------------------------ spans
+
+
+def split_span(text: str, start: Any, end: Any, span_text: str | None = None) -> tuple[str, str, str]:
+    """Split ``text`` into (before, span, after) as plain strings for separate escaping.
+
+    Offsets are character offsets into ``text``. When they do not match the span's own text (a report written
+    against a differently rendered row), the span text is searched for instead; failing that, nothing is
+    highlighted. Very long rows are trimmed around the span with an ellipsis.
+    """
+    text = as_str(text)
+    s, e = as_int(start), as_int(end)
+    ok = s is not None and e is not None and 0 <= s < e <= len(text)
+    if ok and span_text is not None and text[s:e] != span_text:
+        ok = False
+    if not ok and span_text:
+        i = text.find(span_text)
+        if i >= 0:
+            s, e, ok = i, i + len(span_text), True
+    if not ok:
+        before, mid, after = text, "", ""
+    else:
+        before, mid, after = text[:s], text[s:e], text[e:]
+    if len(before) + len(mid) + len(after) > MAX_ROW_CHARS:
+        if len(before) > CONTEXT_CHARS:
+            before = "… " + before[-CONTEXT_CHARS:]
+        if len(mid) > MAX_ROW_CHARS:
+            mid = mid[:MAX_ROW_CHARS] + " …"
+        if len(after) > CONTEXT_CHARS:
+            after = after[:CONTEXT_CHARS] + " …"
+    return before, mid, after
+
+
+# ------------------------------------------------------------------------------------------------ context
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested settings as dotted keys with display strings."""
+    rows: list[tuple[str, str]] = []
+    if isinstance(d, Mapping):
+        if not d and prefix:
+            rows.append((prefix, "{}"))
+        for k, v in d.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            rows.extend(_flatten(v, key))
+        return rows
+    rows.append((prefix or "value", _display(d)))
+    return rows
+
+
+def _display(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, float) or type(v).__name__.startswith(("float", "int", "uint")):
+        return fmt_num(v)
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (list, tuple)):
+        if all(not isinstance(x, (Mapping, list, tuple)) for x in v):
+            shown = ", ".join(_display(x) for x in v[:MAX_POSITIONS_SHOWN])
+            more = f", … ({len(v)} in all)" if len(v) > MAX_POSITIONS_SHOWN else ""
+            return f"[{shown}{more}]"
+        try:
+            s = json.dumps(v, default=str)
+        except (TypeError, ValueError):
+            s = str(v)
+        return s if len(s) <= 400 else s[:400] + " …"
+    return str(v)
+
+
+def _banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]:
+    verdict = as_str(report.get("verdict")).strip() or "unknown"
+    metric = as_str(cap.get("metric")) or "the metric"
+    conf = as_float(cap.get("confidence"))
+    conf_txt = f"{conf * 100:.0f}%" if conf is not None else "confidence"
+    ci = as_list(cap.get("ci"))
+    lo = as_float(ci[0]) if len(ci) > 0 else None
+    hi = as_float(ci[1]) if len(ci) > 1 else None
+    base, tuned, delta = as_float(cap.get("base")), as_float(cap.get("tuned")), as_float(cap.get("delta"))
+    if delta is None and base is not None and tuned is not None:
+        delta = tuned - base
+    n = as_int(cap.get("n"))
+    mdd = as_float(cap.get("min_detectable_delta"))
+    n_acc = len(as_list(report.get("ranking")))
+
+    def change() -> str:
+        if base is None or tuned is None:
+            return ""
+        s = f"{metric} went from {fmt_num(base, 3)} (base) to {fmt_num(tuned, 3)} (fine-tuned)"
+        if delta is not None:
+            s += f", a change of {signed(delta)}"
+        if lo is not None and hi is not None:
+            s += f" ({conf_txt} interval {fmt_num(lo, 3)} to {fmt_num(hi, 3)})"
+        if n is not None:
+            s += f" over {n} eval items"
+        return s + "."
+
+    details: list[str] = []
+    if verdict == "attributed":
+        title, tone = "Attributed", "attributed"
+        default = "The capability changed and the training rows that pushed it are ranked below."
+        if change():
+            details.append(change())
+        if n_acc:
+            details.append(f"The {n_acc} highest-scoring training rows are listed as the accused below.")
+    elif verdict == "declined":
+        title, tone = "Declined: no attribution", "declined"
+        default = ("The capability did not change measurably, so there is nothing to attribute; "
+                   "no training rows are accused.")
+        if change():
+            details.append(change())
+        if lo is not None and hi is not None:
+            details.append(
+                f"The {conf_txt} interval for the change, [{fmt_num(lo, 3)}, {fmt_num(hi, 3)}], "
+                + ("includes zero." if lo <= 0 <= hi else "does not clear the significance test.")
+            )
+        if mdd is not None:
+            details.append(
+                f"The smallest change this eval set can reliably detect is about {fmt_num(mdd, 3)}; "
+                "a larger eval set detects smaller changes."
+            )
+    elif verdict == "smoke_test":
+        title, tone = "Smoke test: not evidence", "smoke"
+        default = ("This run exercised the pipeline end to end; the ranking below is not evidence "
+                   "about which rows caused a change.")
+        if change():
+            details.append(change())
+        details.append("Treat the ranking as a check that attribution runs, not as a finding.")
+    else:
+        title, tone = f"Verdict: {verdict}", "unknown"
+        default = "This report has a verdict this version of gradian does not know."
+    return {
+        "verdict": verdict,
+        "title": title,
+        "tone": tone,
+        "text": as_str(report.get("verdict_text")).strip() or default,
+        "details": details,
+    }
+
+
+def _capability(cap: Mapping[str, Any]) -> dict[str, Any]:
+    items = []
+    for i, it in enumerate(as_list(cap.get("items"))):
+        it = as_dict(it)
+        bc, tc = it.get("base_correct"), it.get("tuned_correct")
+        if bc is None and tc is None and cap.get("metric") in ("exact_match", "contains"):
+            # capability.json carries per-item metric values; for 0/1 metrics they are the correct marks
+            bs, ts = it.get("base_score"), it.get("tuned_score")
+            if isinstance(bs, (int, float)) and isinstance(ts, (int, float)):
+                bc, tc = bs >= 1.0, ts >= 1.0
+        if bc is True and tc is False:
+            status, order = "regressed", 0
+        elif bc is False and tc is True:
+            status, order = "improved", 1
+        elif bc is None or tc is None:
+            status, order = "unknown", 3
+        else:
+            status, order = "same", 2
+        items.append(
+            {
+                "item": it.get("item", i),
+                "prompt": as_str(it.get("prompt")),
+                "expected": as_str(it.get("expected")),
+                "base_generated": as_str(it.get("base_generated")),
+                "generated": as_str(it.get("generated")),
+                "base_correct": bc,
+                "tuned_correct": tc,
+                "status": status,
+                "_order": order,
+                "_i": i,
+            }
+        )
+    items.sort(key=lambda r: (r["_order"], r["_i"]))
+    counts = {k: sum(1 for r in items if r["status"] == k) for k in ("regressed", "improved", "same", "unknown")}
+    ci = as_list(cap.get("ci"))
+    return {
+        "present": bool(cap),
+        "metric": as_str(cap.get("metric")) or "metric",
+        "n": cap.get("n"),
+        "base": cap.get("base"),
+        "tuned": cap.get("tuned"),
+        "delta": cap.get("delta"),
+        "ci": [ci[0] if len(ci) > 0 else None, ci[1] if len(ci) > 1 else None],
+        "confidence": cap.get("confidence"),
+        "significant": cap.get("significant"),
+        "mdd": cap.get("min_detectable_delta"),
+        # not "items": Jinja would find dict.items first
+        "changed_rows": [r for r in items if r["status"] != "same"][:MAX_ITEMS_SHOWN],
+        "same_rows": [r for r in items if r["status"] == "same"][:MAX_ITEMS_SHOWN],
+        "items_total": len(items),
+        "counts": counts,
+    }
+
+
+def _ranking(report: Mapping[str, Any]) -> tuple[list[dict[str, Any]], set[int]]:
+    truth = as_dict(report.get("truth"))
+    planted = {p for p in (as_int(x) for x in as_list(truth.get("planted"))) if p is not None}
+    spans_by_pos: dict[int, dict[str, Any]] = {}
+    for sp in as_list(report.get("spans")):
+        sp = as_dict(sp)
+        pos = as_int(sp.get("position"))
+        if pos is None:
+            continue
+        cur = spans_by_pos.get(pos)
+        if cur is None or (as_float(sp.get("score")) or -math.inf) > (as_float(cur.get("score")) or -math.inf):
+            spans_by_pos[pos] = sp
+    rows = []
+    for i, r in enumerate(as_list(report.get("ranking"))):
+        r = as_dict(r)
+        pos = as_int(r.get("position"))
+        text = r.get("text")
+        full = text is not None
+        text = as_str(text if text is not None else r.get("preview"))
+        span = r.get("top_span")
+        span = as_dict(span) if span else (spans_by_pos.get(pos) if pos is not None else None)
+        if span:
+            before, mid, after = split_span(text, span.get("start"), span.get("end"), span.get("text"))
+        else:
+            before, mid, after = split_span(text, None, None, None)
+        bl, tl = as_float(r.get("base_loss")), as_float(r.get("tuned_loss"))
+        rows.append(
+            {
+                "rank": r.get("rank", i + 1),
+                "position": r.get("position"),
+                "id": as_str(r.get("id")),
+                "score": r.get("score"),
+                "base_loss": bl,
+                "tuned_loss": tl,
+                "loss_change": (tl - bl) if (bl is not None and tl is not None) else None,
+                "before": before,
+                "mark": mid,
+                "after": after,
+                "span_score": (span or {}).get("score") if mid else None,
+                "full_text": full,
+                "planted": pos in planted if truth else None,
+            }
+        )
+    return rows, planted
+
+
+def _scores_plot(report: Mapping[str, Any], rows: list[dict[str, Any]], planted: set[int]) -> dict[str, Any]:
+    summary = as_dict(report.get("scores_summary"))
+    hist = None
+    all_scores = report.get("all_scores")
+    planted_missed: list[dict[str, Any]] = []
+    if all_scores is not None:
+        try:
+            hist = histogram_from_scores(all_scores)
+        except (TypeError, ValueError):
+            hist = None
+    if hist is None:
+        h = as_dict(summary.get("histogram"))
+        if h.get("edges") is not None and h.get("counts") is not None:
+            hist = {"edges": as_list(h.get("edges")), "counts": as_list(h.get("counts"))}
+    accused = [
+        {"score": r["score"], "rank": r["rank"], "id": r["id"], "planted": bool(r["planted"])} for r in rows
+    ]
+    # Planted rows that did not make the ranking: report their rank when every score is known.
+    in_ranking = {as_int(r["position"]) for r in rows}
+    if planted and all_scores is not None:
+        try:
+            import numpy as np
+
+            arr = np.asarray(all_scores, dtype=np.float64).ravel()
+            order = np.argsort(-arr, kind="stable")
+            rank_of = np.empty_like(order)
+            rank_of[order] = np.arange(1, len(order) + 1)
+            for p in sorted(planted - in_ranking):
+                if 0 <= p < len(arr):
+                    planted_missed.append({"position": p, "rank": int(rank_of[p]), "score": float(arr[p])})
+        except (TypeError, ValueError):
+            planted_missed = []
+    return {
+        "svg": histogram_svg(hist, accused),
+        "summary": summary,
+        "has_hist": hist is not None,
+        "planted_missed": planted_missed,
+        "planted_missed_unknown": sorted(planted - in_ranking) if (planted and all_scores is None) else [],
+    }
+
+
+def _clusters(report: Mapping[str, Any], rank_by_pos: dict[int, Any]) -> list[dict[str, Any]]:
+    out = []
+    for c in as_list(report.get("clusters")):
+        c = as_dict(c)
+        positions = [p for p in as_list(c.get("positions"))]
+        ranks = sorted(r for r in (rank_by_pos.get(as_int(p)) for p in positions) if r is not None)
+        out.append(
+            {
+                "id": c.get("id"),
+                "size": c.get("size", len(positions)),
+                "score": c.get("score"),
+                "p_value": c.get("p_value"),
+                "positions": positions[:MAX_POSITIONS_SHOWN],
+                "positions_more": max(len(positions) - MAX_POSITIONS_SHOWN, 0),
+                "ranks": ranks[:MAX_POSITIONS_SHOWN],
+                "preview": as_str(c.get("preview")),
+            }
+        )
+    return out
+
+
+def _spans(report: Mapping[str, Any], rank_by_pos: dict[int, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for sp in as_list(report.get("spans")):
+        sp = as_dict(sp)
+        rows.append(
+            {
+                "position": sp.get("position"),
+                "rank": rank_by_pos.get(as_int(sp.get("position"))),
+                "start": sp.get("start"),
+                "end": sp.get("end"),
+                "text": as_str(sp.get("text")),
+                "score": sp.get("score"),
+            }
+        )
+    rows.sort(key=lambda r: -(as_float(r["score"]) if as_float(r["score"]) is not None else -math.inf))
+    return rows[:100]
+
+
+def _query(report: Mapping[str, Any], rank_by_pos: dict[int, Any]) -> dict[str, Any]:
+    q = as_dict(report.get("query"))
+    items = []
+    for it in as_list(q.get("items")):
+        it = as_dict(it)
+        top = []
+        for r in as_list(it.get("ranking"))[:5]:
+            r = as_dict(r)
+            top.append({"position": r.get("position"), "score": r.get("score"),
+                        "rank": rank_by_pos.get(as_int(r.get("position")))})
+        items.append(
+            {
+                "item": it.get("item"),
+                "prompt": as_str(it.get("prompt")),
+                "expected": as_str(it.get("expected")),
+                "generated": as_str(it.get("generated")),
+                "base_generated": as_str(it.get("base_generated")),
+                "top": top,
+            }
+        )
+    ck = as_dict(q.get("checkpoints"))
+    checkpoints = [as_str(x) for x in (ck.get("labels") or [])] if isinstance(ck.get("labels"), list) else []
+    return {"formulation": as_str(q.get("formulation")), "rows": items[:MAX_ITEMS_SHOWN], "total": len(items),
+            "checkpoints": checkpoints}
+
+
+def _fidelity(index: Mapping[str, Any], fidelity: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Fidelity figures in groups: those recorded with the index build, and those from fidelity.json."""
+    groups: list[dict[str, Any]] = []
+    inner = index.get("fidelity")
+    if isinstance(inner, Mapping) and inner:
+        groups.append({"title": "measured with the index build", "rows": _flatten(inner)})
+    if isinstance(fidelity, Mapping) and fidelity:
+        groups.append({"title": "from fidelity.json (leave-one-out / LDS)", "rows": _flatten(fidelity)})
+    return groups
+
+
+def _verify(verify: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if not isinstance(verify, Mapping):
+        return None
+    acc = as_dict(verify.get("accused"))
+    ci = as_list(acc.get("ci"))
+    controls = [as_dict(c) for c in as_list(verify.get("controls"))]
+    confirmed = verify.get("confirmed")
+    return {
+        "top_k": verify.get("top_k"),
+        "accused_capability": acc.get("capability"),
+        "accused_reverted": acc.get("reverted_fraction"),
+        "accused_ci": [ci[0] if len(ci) > 0 else None, ci[1] if len(ci) > 1 else None],
+        "controls": controls,
+        "control_mean": verify.get("control_mean_reverted"),
+        "confirmed": confirmed,
+        "tone": "attributed" if confirmed is True else ("declined" if confirmed is False else "unknown"),
+        "statement": as_str(verify.get("statement")),
+    }
+
+
+def _timings(timings: Any) -> dict[str, Any]:
+    rows = []
+    for k, v in as_dict(timings).items():
+        f = as_float(v)
+        rows.append({"step": str(k), "seconds": f})
+    vals = [r["seconds"] for r in rows if r["seconds"] is not None]
+    mx = max(vals) if vals else 0.0
+    for r in rows:
+        r["frac"] = (r["seconds"] / mx) if (mx > 0 and r["seconds"] is not None) else 0.0
+    total = sum(vals) if vals else None
+    return {"rows": rows, "total": total}
+
+
+def page_context(report: Mapping[str, Any], verify: Mapping[str, Any] | None,
+             fidelity: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not isinstance(report, Mapping):
+        raise TypeError(f"report must be a mapping (the parsed report.json), not {type(report).__name__}")
+    cap = as_dict(report.get("capability"))
+    rows, planted = _ranking(report)
+    rank_by_pos = {p: r["rank"] for r in rows if (p := as_int(r["position"])) is not None}
+    flags = [as_dict(f) for f in as_list(report.get("flags"))]
+    flags.sort(key=lambda f: _LEVEL_ORDER.get(as_str(f.get("level")), 3))
+    flag_counts = {lvl: sum(1 for f in flags if f.get("level") == lvl) for lvl in ("error", "warning", "info")}
+    index = as_dict(report.get("index"))
+    projection = index.get("projection")
+    metrics = as_dict(report.get("metrics"))
+    truth = as_dict(report.get("truth"))
+    return {
+        "version": __version__,
+        # No wall-clock time of its own: the same report renders to the same bytes.
+        "created_at": as_str(report.get("created_at") or report.get("created")),
+        "schema": as_str(report.get("schema")) or "unknown",
+        "banner": _banner(report, cap),
+        "flags": flags,
+        "flag_counts": flag_counts,
+        "cap": _capability(cap),
+        "cap_svg": capability_svg(cap) if cap else None,
+        "rows": rows,
+        "has_truth": bool(truth),
+        "planted_total": len(planted),
+        "planted_found": sum(1 for r in rows if r["planted"]),
+        "scores": _scores_plot(report, rows, planted),
+        "clusters": _clusters(report, rank_by_pos),
+        "spans": _spans(report, rank_by_pos),
+        "query": _query(report, rank_by_pos),
+        "index": index,
+        "projection": as_dict(projection) if isinstance(projection, Mapping) else None,
+        "fidelity_groups": _fidelity(index, fidelity),
+        "settings_rows": _flatten(as_dict(report.get("settings"))),
+        "timings": _timings(report.get("timings")),
+        "verify": _verify(verify),
+        "metrics": metrics,
+    }

@@ -1,0 +1,44 @@
+"""Padded batches of tokenized rows: the one batch loop every stage uses (capture, losses, generation prompts)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+from .tokenize import Tokenized
+
+
+def collate(batch: Sequence[Tokenized], pad_id: int, *, left: bool = False):
+    """Pad to the longest row. Right padding for loss/gradients; left padding for generation."""
+    import torch
+
+    T = max(len(t.input_ids) for t in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), T), dtype=torch.long)
+    sup = torch.zeros((len(batch), T), dtype=torch.bool)
+    for i, t in enumerate(batch):
+        n = len(t.input_ids)
+        sl = slice(T - n, T) if left else slice(0, n)
+        ids[i, sl] = torch.tensor(t.input_ids, dtype=torch.long)
+        attn[i, sl] = 1
+        sup[i, sl] = torch.tensor(t.supervised, dtype=torch.bool)
+    return ids, attn, sup
+
+
+def length_order(toks: Sequence[Tokenized], positions: Optional[Sequence[int]] = None) -> list[int]:
+    """Positions by (length, position): batches of similar lengths pad less, and a fixed order keeps the batches,
+    and so the bits, the same on every run."""
+    pos = list(range(len(toks))) if positions is None else list(positions)
+    return sorted(pos, key=lambda i: (len(toks[i].input_ids), i))
+
+
+def batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int, pad_id: int, device=None
+            ) -> Iterator[tuple[list[int], "object", "object", "object"]]:
+    """(positions, input_ids, attention_mask, supervised) per batch of `batch_size` of `positions` in the order
+    given, right-padded (`collate`) and moved to `device` when given."""
+    pos = list(positions)
+    for s in range(0, len(pos), batch_size):
+        part = pos[s : s + batch_size]
+        ids, attn, sup = collate([toks[i] for i in part], pad_id)
+        if device is not None:
+            ids, attn, sup = ids.to(device), attn.to(device), sup.to(device)
+        yield part, ids, attn, sup

@@ -1,0 +1,98 @@
+"""What every verb loads once: config, data, tokenizer, the model with its adapter, the LoRA sites.
+
+`open_session` is the one loader: `attribute`, `evaluate`, `index`, `fidelity` and the setup checks all start from
+it (or, for `diagnose`, from the same loaders one by one). Earlier checkpoints load onto the same base
+(`Session.checkpoint`), so N checkpoints cost one base load.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from ..config import Config
+from ..runtime import configure_threads, seed_everything
+from .model import (
+    ADAPTER_NAME, LoraSite, add_adapter, adapter_ref, drop_adapter, load_model, load_tokenizer, lora_sites,
+    no_sites_error, use_adapter,
+)
+from .records import EvalItem, Example, load_eval, load_train
+from .tokenize import Tokenized, tokenize_example, uses_chat
+
+
+@dataclass
+class Session:
+    """The loaded inputs of one run. `flags` collects report flags (id, level, message, fix); `timings` seconds per
+    stage."""
+
+    cfg: Config
+    tokenizer: object
+    examples: list[Example]
+    eval_items: Optional[list[EvalItem]]
+    model: object
+    sites: list[LoraSite]
+    skipped: list[str]
+    adapter_path: str
+    chat: bool
+    flags: list[dict] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    _toks: Optional[list[Tokenized]] = None
+
+    @property
+    def toks(self) -> list[Tokenized]:
+        if self._toks is None:
+            self._toks = [tokenize_example(self.tokenizer, e, self.cfg.grads.max_seq_length) for e in self.examples]
+        return self._toks
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else 0
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    def flag(self, id: str, level: str, message: str, fix: str = "") -> None:
+        if not any(f["id"] == id for f in self.flags):
+            self.flags.append({"id": id, "level": level, "message": message, "fix": fix})
+
+    @contextmanager
+    def checkpoint(self, path: str, name: str) -> Iterator["Session"]:
+        """A view of this session with the adapter at `path` (an earlier checkpoint) loaded onto the same base under
+        `name` and active: its own LoRA sites and adapter path, the same data, tokenizer and model object. The
+        adapter is unloaded afterwards."""
+        add_adapter(self.model, path, name, self.cfg)
+        try:
+            with use_adapter(self.model, name):
+                sites, skipped = lora_sites(self.model, self.cfg.grads.module_filter, name)
+                if not sites:
+                    raise no_sites_error(path, self.cfg.grads.module_filter, skipped)
+                view = Session(self.cfg, self.tokenizer, self.examples, self.eval_items, self.model, sites, skipped,
+                               str(path), self.chat, [], {}, self.toks)
+                yield view
+        finally:
+            drop_adapter(self.model, name)
+
+
+def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = True) -> Session:
+    """Data, tokenizer and (unless `load_model_` is false: verify re-measures retrains, each loaded on its own)
+    the model with its adapter and LoRA sites. Every failure is a `GradianError` carrying its check id."""
+    configure_threads(cfg.model.threads)
+    seed_everything(cfg.seed)
+    t0 = time.time()
+    examples = load_train(cfg.path(cfg.data.train))
+    eval_items = load_eval(cfg.path(cfg.data.eval)) if (cfg.data.eval and need_eval) else None
+    tok = load_tokenizer(cfg)
+    adapter = adapter_ref(cfg)
+    model, sites, skipped = None, [], []
+    if load_model_:
+        model = load_model(cfg, adapter)
+        sites, skipped = lora_sites(model, cfg.grads.module_filter, ADAPTER_NAME)
+        if not sites:
+            raise no_sites_error(adapter, cfg.grads.module_filter, skipped)
+    s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples))
+    s.timings["load"] = round(time.time() - t0, 3)
+    return s

@@ -1,0 +1,200 @@
+"""Building (or reusing) the gradient index: its cache key, the data-aware basis, the capture loop into shards.
+
+No maths here: the gradients come from `grads.capture`, the storage is `store.index`; this module decides which
+rows are missing, in which batches they are captured (by length, then position: the same bits every run), and
+seals what it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+from ..config import Config
+from ..grads.capture import GradientCapture
+from ..grads.layout import site_shapes
+from ..io import dir_fingerprint, sha256_file
+from ..progress import progress_bar
+from ..projection import BASIS_FILE, Projector
+from ..setup.batches import batches, length_order
+from ..setup.model import LoraSite
+from ..setup.tokenize import Tokenized
+from .index import GradientIndex
+
+log = logging.getLogger(__name__)
+
+# Bump when the gradient definition changes (loss, masks, projection scheme): old caches become foreign.
+GRADIENT_VERSION = 1
+
+
+@dataclass
+class IndexInfo:
+    key: str
+    root: Path
+    dim: int
+    storage_dtype: str
+    examples: int
+    reused: int
+    built: int
+    bytes: int
+    projection: dict | None
+    seconds: float
+
+    def summary(self) -> dict:
+        return {
+            "key": self.key, "examples": self.examples, "dim": self.dim, "dtype": self.storage_dtype, "bytes": self.bytes,
+            "projection": self.projection, "reused_rows": self.reused, "built_rows": self.built, "path": str(self.root),
+        }
+
+
+def make_projector(cfg: Config, sites: Sequence[LoraSite]) -> Projector:
+    g = cfg.grads
+    return Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed,
+                     fit_rows=g.projection_fit_rows)
+
+
+def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str) -> str:
+    """Model, adapter and every setting the vectors depend on. Data is not in it: rows are keyed by content."""
+    g = cfg.grads
+    payload = {
+        "v": GRADIENT_VERSION,
+        "base": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+        "adapter": dir_fingerprint(adapter_path),
+        "dtype": cfg.model.dtype,
+        "sites": [s.name for s in sites],
+        "projection": projector.spec(),  # settings only: a fitted basis is bound to the index by its sha256
+        "storage_dtype": g.storage_dtype,
+        "max_seq_length": g.max_seq_length,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def basis_sample(toks: Sequence[Tokenized], n: int, seed: int) -> list[int]:
+    """Positions of the rows a data-aware basis is fitted on: a seeded sample of the rows with supervised tokens,
+    in (length, position) order so the batches, and so the bits, are the same on every run."""
+    cand = [i for i, t in enumerate(toks) if t.n_supervised > 0]
+    if len(cand) > n:
+        pick = np.random.default_rng([int(seed), 0x62617369]).choice(len(cand), size=n, replace=False)
+        cand = [cand[j] for j in sorted(pick.tolist())]
+    return length_order(toks, cand)
+
+
+def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], root: Path, pad_id: int):
+    """A data-aware projector's basis: loaded from `root/projection_basis.safetensors` when that file was fitted
+    for these settings, else fitted on `basis_sample` rows with exact per-example gradients (two capture passes
+    over at most `projector.fit_rows` rows, before the index build) and written there. Returns its sha256; None
+    for the random kinds. Once stored, the basis stays with the index: rows added later are projected with it, so
+    every stored vector shares one basis."""
+    proj = capture.projector
+    if proj.kind != "data-aware" or proj.exact:
+        return None
+    path = root / BASIS_FILE
+    if proj.basis is None and path.exists():
+        try:
+            return proj.load_basis(path)
+        except (OSError, ValueError) as e:
+            log.warning("projection basis %s cannot be used (%s); fitting a new one", path, e)
+    if proj.basis is None:
+        positions = basis_sample(toks, proj.fit_rows, proj.seed)
+        if not positions:
+            raise ValueError("a data-aware projection needs training rows with supervised tokens to fit on")
+        device = next(capture.model.parameters()).device
+        fitter = proj.fitter()
+        with progress_bar("fit projection", total=fitter.passes * len(positions)) as bar:
+            for _ in range(fitter.passes):  # the same batches each pass: wide-side directions, then site PCA
+                for batch, ids, attn, sup in batches(toks, positions, cfg.grads.batch_size, pad_id, device):
+                    per_site, _ = capture.site_grads(ids, attn, sup)
+                    fitter.update_all(per_site)
+                    bar.advance(len(batch))
+                fitter.end_pass()
+        proj.set_basis(fitter.finish())
+    elif proj.basis_sha256 and path.exists() and sha256_file(path) == proj.basis_sha256:
+        return proj.basis_sha256
+    return proj.save_basis(path)
+
+
+def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], *, key: str, pad_id: int,
+                meta: dict) -> tuple[GradientIndex, list[str], IndexInfo]:
+    """Capture the rows the index lacks, in length-sorted batches (less padding), and return it open for scoring."""
+    t0 = time.time()
+    row_keys = [t.row_key() for t in toks]
+    root = cfg.index_dir / key
+    bs = cfg.grads.batch_size
+    store_key = key
+    sha = ensure_basis(cfg, capture, toks, root, pad_id)
+    if sha is not None:
+        # Shards are only valid with the basis they were projected with: an index built with another basis
+        # (a refit after the file was lost or changed) has another store key, so `open` moves it aside.
+        store_key = f"{key}+basis-{sha[:16]}"
+        meta = {**meta, "projection": capture.projector.describe(), "block_dims": capture.projector.site_dims(),
+                "projection_basis": {"file": BASIS_FILE, "sha256": sha}}
+    # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run.
+    shard_rows = -(-cfg.grads.shard_rows // bs) * bs
+    index = GradientIndex.open(root, key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
+                               shard_rows=shard_rows)
+    missing = index.missing(row_keys)
+    # Deduplicate identical rows: one capture serves all of them.
+    seen, todo = set(), []
+    for i in missing:
+        if row_keys[i] not in seen:
+            seen.add(row_keys[i])
+            todo.append(i)
+    # Stable order (by length, then position) keeps batches, and so the bits, the same on every run.
+    todo = length_order(toks, todo)
+    device = next(capture.model.parameters()).device
+    with progress_bar("index", total=len(todo)) as bar:
+        for batch, ids, attn, sup in batches(toks, todo, bs, pad_id, device):
+            vecs, _ = capture.vectors(ids, attn, sup)
+            index.add([row_keys[i] for i in batch], vecs.detach().cpu().numpy().astype(np.float32))
+            bar.advance(len(batch))
+    index.flush()
+    info = IndexInfo(key=key, root=root, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, examples=len(toks),
+                     reused=len(toks) - len(missing), built=len(todo), bytes=index.nbytes,
+                     projection=capture.projector.describe(), seconds=time.time() - t0)
+    return index, row_keys, info
+
+
+@dataclass
+class OpenIndex:
+    """An index open for scoring: the capture that wrote it (its projector), the rows of the training set in order
+    (`row_keys`, one per row: copies share a key) and what was built."""
+
+    capture: GradientCapture
+    index: GradientIndex
+    row_keys: list[str]
+    info: IndexInfo
+
+    @property
+    def rows(self):
+        from .rows import RowSource
+
+        return RowSource(index=self.index, row_keys=self.row_keys)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tokenized], adapter_path: str,
+               pad_id: int) -> OpenIndex:
+    """Build (the rows it lacks) or reuse the gradient index of this adapter's training set, open for scoring."""
+    proj = make_projector(cfg, sites)
+    capture = GradientCapture(model, sites, proj, chunk=cfg.grads.loss_chunk_tokens)
+    key = cache_key(cfg, sites, proj, adapter_path)
+    meta = {
+        "base": cfg.model.base, "adapter": adapter_path,
+        "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
+        "adapter_fingerprint": dir_fingerprint(adapter_path),
+        "sites": [{"name": x.name, "r": x.r, "d_in": x.d_in, "d_out": x.d_out} for x in sites],
+        "block_dims": proj.site_dims(), "projection": proj.describe(),
+        "grads": cfg.grads.model_dump(mode="json"),
+    }
+    index, row_keys, info = build_index(cfg, capture, toks, key=key, pad_id=pad_id, meta=meta)
+    return OpenIndex(capture, index, row_keys, info)

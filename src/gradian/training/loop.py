@@ -1,0 +1,169 @@
+"""Deterministic LoRA SFT (assistant-only, token-weighted loss) that records the recipe it used.
+
+The loop is written out rather than delegated to `transformers.Trainer` because attribution and `verify` depend on
+properties Trainer does not promise: a data order fixed by the seed alone, bit-identical replays on CPU, and removal
+of examples by zero-weighting them in place, so every other example keeps its batch and its step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..errors import ConfigError, ModelError
+from ..grads.objectives import per_example_loss
+from ..io import atomic_dir, dir_fingerprint
+from ..progress import progress_bar
+from ..runtime import seed_everything
+from ..setup.batches import collate
+from ..setup.model import load_base, load_tokenizer
+from ..setup.records import dataset_fingerprint, load_train
+from ..setup.tokenize import tokenize_example
+from .recipe import RECIPE_FILE, Recipe
+
+# Earlier epochs' adapters inside a `gradian train` output (attribution.checkpoints: auto reads them).
+CHECKPOINTS_SUBDIR = "checkpoints"
+
+
+def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[list[int]]]:
+    """Batches of positions per epoch, a function of (n, epochs, batch_size, seed) only."""
+    out = []
+    for e in range(epochs):
+        perm = np.random.default_rng([seed, e]).permutation(n).tolist()
+        out.append([perm[s : s + batch_size] for s in range(0, n, batch_size)])
+    return out
+
+
+def train_adapter(
+    cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
+    progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
+    save_checkpoints: Optional[bool] = None,
+) -> Path:
+    """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir.
+
+    `checkpoint_epochs` (1-based) also saves the adapter after each of those epochs to `checkpoint_dir/epoch-<k>`,
+    each with its own recipe (``epochs: k``). The data order and the constant schedule depend on the epoch index
+    only, so a checkpoint is bit-identical to a run trained for k epochs.
+
+    `save_checkpoints` (default: `train.save_checkpoints` for a fresh run, off for a retrain from a `recipe`) keeps
+    the adapter of every earlier epoch inside the output, in `OUT/checkpoints/epoch-<k>`, where
+    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later)."""
+    from peft import LoraConfig, get_peft_model
+
+    t0 = time.time()
+    hp = recipe.hp if recipe else cfg.train.model_dump(exclude={"output"})
+    seed = int(recipe.seed) if recipe else cfg.seed
+    seed_everything(seed)
+    tok = load_tokenizer(cfg)
+    examples = load_train(cfg.path(cfg.data.train))
+    fp = dataset_fingerprint(examples)
+    if recipe and recipe.dataset_fingerprint not in (None, fp):
+        raise ModelError(
+            f"{cfg.data.train}: the training set differs from the one the recipe was recorded on "
+            f"(fingerprint {fp} vs {recipe.dataset_fingerprint}); verify needs the original data"
+        )
+    toks = [tokenize_example(tok, e, hp["max_seq_length"]) for e in examples]
+    excluded = set(int(p) for p in exclude)
+    base = load_base(cfg)
+    torch.manual_seed(seed)  # LoRA A init
+    lcfg = LoraConfig(
+        r=hp["lora_r"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
+        target_modules=hp["target_modules"], task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(base, lcfg)
+    except ValueError as e:
+        raise ConfigError(f"train.target_modules {hp['target_modules']}: {e}") from None
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    order = data_order(len(examples), hp["epochs"], hp["batch_size"], seed)
+    pad = tok.pad_token_id
+    device = next(model.parameters()).device
+    n_steps = sum(len(ep) for ep in order)
+    gen = torch.Generator().manual_seed(seed)
+    save_at = sorted(set(int(k) for k in checkpoint_epochs))
+    if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > hp["epochs"]):
+        raise ValueError(f"checkpoint_epochs {save_at}: need a checkpoint_dir and epochs within 1..{hp['epochs']}")
+    if save_checkpoints is None:
+        save_checkpoints = recipe is None and cfg.train.save_checkpoints
+    out_dir = Path(out_dir) if out_dir else cfg.adapter_out
+    staging: Optional[Path] = None
+    if save_checkpoints and not save_at and hp["epochs"] > 1:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.checkpoints-", dir=out_dir.parent))
+        checkpoint_dir, save_at = staging, list(range(1, hp["epochs"]))
+
+    base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
+
+    def record(epochs: int) -> Recipe:
+        return Recipe.model_validate({
+            "schema": "gradian.recipe/1",
+            "backend": "hf",
+            "seed": seed,
+            "hyperparameters": {**hp, "epochs": epochs},
+            "schedule": "constant learning rate, AdamW, token-weighted mean over each batch's supervised tokens",
+            "data": str(cfg.path(cfg.data.train)),
+            "dataset_fingerprint": fp,
+            "n_examples": len(examples),
+            "excluded_positions": sorted(excluded),
+            "removal": "zero-weighted in place: other examples keep their batches and steps",
+            "data_order": "numpy default_rng([seed, epoch]).permutation(n), batches of batch_size",
+            "base": cfg.model.base,
+            "base_fingerprint": base_fp,
+            "train_seconds": round(time.time() - t0, 2),
+        })
+
+    with progress_bar("train", total=n_steps if progress else 0, unit="steps") as bar:
+        for e_no, epoch in enumerate(order, start=1):
+            for batch in epoch:
+                ids, attn, sup = collate([toks[i] for i in batch], pad)
+                weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
+                n_tok = float((sup[:, 1:].sum(1).float() * weights).sum())
+                # Dropout masks drawn from our own generator keep replays identical when dropout is on. The seed
+                # is drawn before a fully excluded batch is skipped, so later steps keep their masks.
+                step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+                if n_tok == 0:
+                    bar.advance()
+                    continue
+                torch.manual_seed(step_seed)
+                losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
+                loss = (losses * weights.to(device)).sum() / n_tok
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if hp.get("max_grad_norm"):
+                    torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
+                opt.step()
+                bar.advance()
+            if e_no in save_at and e_no < hp["epochs"]:
+                model.eval()
+                save_adapter(model, Path(checkpoint_dir) / f"epoch-{e_no}", record(e_no))
+                model.train()
+    model.eval()
+    try:
+        save_adapter(model, out_dir, record(hp["epochs"]), checkpoints=staging)
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    if save_at and save_at[-1] == hp["epochs"] and staging is None:
+        save_adapter(model, Path(checkpoint_dir) / f"epoch-{hp['epochs']}", record(hp["epochs"]))
+    return out_dir
+
+
+def save_adapter(model, out_dir: Path, recipe: Recipe, *, checkpoints: Optional[Path] = None) -> Path:
+    """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written); the
+    folder `checkpoints`, when given, is moved inside it as `CHECKPOINTS_SUBDIR`."""
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        (tmp / RECIPE_FILE).write_text(recipe.to_json())
+        if checkpoints is not None and Path(checkpoints).is_dir():
+            os.replace(checkpoints, tmp / CHECKPOINTS_SUBDIR)
+    return Path(out_dir)

@@ -1,0 +1,2 @@
+"""Stage 7, validation: `verify` (retrain without the accused rows, against random controls) and `fidelity` (LOO and
+LDS), on retrains from the adapter's recipe (`retrain`)."""

@@ -1,0 +1,298 @@
+"""`gradian fidelity`: do the attribution scores predict what retraining actually does?
+
+Two measurements, both on deterministic retrains with the adapter's recipe (rows removed by zero-weighting in
+place, so the only difference between two retrains is the removed rows; see :mod:`gradian.verify`):
+
+* **Leave-one-out (LOO)** on the top ``--loo`` rows by score, the bottom ``--loo`` and ``--loo`` random others
+  (seeded). Predicted change of a row = its attribution score (the per-item scores averaged over the failing
+  items, as in report.json). Actual change = the *query measurement* of the retrain without that row vs the
+  reference retrain (nothing removed), see below. Pearson and Spearman of predicted vs actual.
+* **LDS** (linear datamodeling score): ``--subsets`` random subsets of ``--frac`` (5%) of the rows are removed;
+  for each failing item the predicted change is the sum of the removed rows' per-item scores and the actual change
+  its query measurement; the Spearman over subsets is averaged over the items.
+
+The query measurement, per failing item q, is the query loss the attribution differentiates
+(`query.query_losses`): the contrastive ``L_q = loss(expected answer) - loss(the fine-tune's wrong answer)`` (summed
+token losses; ``loss(expected)`` for classic queries; minus the margin at the decisive token for margin queries). Scores are ``-<q_hat, g>`` with unit query gradients, so the actual change that matches a score in
+sign and scale is ``a_q = s * (L_q(reference) - L_q(retrain)) / |grad L_q|``: positive when removing the rows lowered
+the failure's loss (they were harmful), with ``s = -1`` when the report attributes an improvement (its scores rank the
+rows that helped). A row's LOO actual change is the mean of ``a_q`` over the items, like its score.
+
+Preconditioners: scores are recomputed with `attribution.engine.score_items` (the per-item inner products, without the
+best-window ranking of long rows) for ``attribution.preconditioner`` or each one given with ``--preconditioner``;
+the retrains do not depend on it, so several are compared on the same retrains. (With a preconditioner, items are
+still weighted by 1 / |grad L_q| in the LOO mean; LDS is per item, so no weighting enters it.)
+
+Reading LDS: with small subsets (5% of the rows) and failures that each have one cause, few subsets remove an
+item's cause and the others differ only by the small, deterministic but chaotic effect of removing unrelated rows,
+which no first-order score predicts. When OUT/truth.json exists, ``lds.truth_oracle`` is the LDS of a predictor
+that knows which planted row causes which item: the ceiling of the design. ``--frac 0.5`` (TRAK's usual alpha)
+removes every item's cause in about half of the subsets.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..attribution.queries import QueryItem, query_losses as _query_losses
+from ..attribution.scoring import direction_sign, rank
+from ..config import Config
+from ..errors import VerifyError
+from ..io import atomic_write_text
+from ..training.recipe import load_recipe
+from .retrain import adapters_equal, retrain
+from .verify import read_report
+
+SCHEMA = "gradian.fidelity/1"
+
+
+def correlations(x: Sequence[float], y: Sequence[float]) -> dict:
+    from scipy.stats import pearsonr, spearmanr
+
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.size < 3 or np.all(x == x[0]) or np.all(y == y[0]):
+        return {"pearson": None, "spearman": None, "n": int(x.size)}
+    return {"pearson": float(pearsonr(x, y)[0]), "spearman": float(spearmanr(x, y)[0]), "n": int(x.size)}
+
+
+def report_queries(report: dict) -> tuple[list[QueryItem], str]:
+    """The failing items of a report as queries, and its direction."""
+    q = report.get("query") or {}
+    items = [QueryItem(int(it["item"]), it["prompt"], it["expected"], it["generated"], it.get("base_generated", ""),
+                       it.get("formulation") or q.get("formulation", "contrastive")) for it in q.get("items") or []]
+    if not items:
+        raise VerifyError("report.json lists no failing items in query.items; rerun `gradian attribute CONFIG`")
+    return items, q.get("direction") or "regression"
+
+
+def query_losses(model, s, qitems) -> np.ndarray:
+    """[Q] query loss of each failing item under `model`: the function `queries.query_vectors` differentiates
+    (contrastive, classic or margin), through `queries.query_losses`."""
+    return _query_losses(model, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=s.cfg.grads.max_seq_length,
+                   batch_size=s.cfg.grads.batch_size)
+
+
+def scores_with(s, ix, qitems, settings) -> np.ndarray:
+    """Per-item scores [Q, N] as `attribute` computes them (exact re-ranking, checkpoints), for `settings` (another
+    preconditioner, say), on the session's index `ix`."""
+    from ..attribution.checkpoints import over_checkpoints
+    from ..attribution.engine import ModelGradients, block_dims_of, score_items
+
+    sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
+                     block_dims=block_dims_of(ix.index))
+    over_checkpoints(s, sc, qitems, settings)  # attribution.checkpoints: the scores `attribute` reports
+    return np.asarray(sc.per_item, dtype=np.float64)
+
+
+def loo_rows(agg: np.ndarray, k: int, seed: int) -> list[tuple[int, str]]:
+    """Top k, bottom k and k random others (seeded), without repeats."""
+    order = rank(agg.astype(np.float64))
+    top = [int(p) for p in order[:k]]
+    bottom = [int(p) for p in order[::-1] if int(p) not in top][:k]
+    rest = np.array(sorted(set(range(agg.size)) - set(top) - set(bottom)), dtype=np.int64)
+    rnd = sorted(np.random.default_rng([seed, 8]).choice(rest, size=min(k, rest.size), replace=False).tolist())
+    return [(p, "top") for p in top] + [(p, "bottom") for p in bottom] + [(int(p), "random") for p in rnd]
+
+
+def lds_subsets(n: int, m: int, count: int, seed: int) -> list[list[int]]:
+    return [sorted(np.random.default_rng([seed, 7, j]).choice(n, size=m, replace=False).tolist()) for j in range(count)]
+
+
+def lds(per_item: np.ndarray, subsets: list[list[int]], actual: np.ndarray) -> dict:
+    """Spearman over subsets of predicted (sum of removed rows' scores) vs actual, per item, averaged."""
+    from scipy.stats import spearmanr
+
+    pred = np.stack([per_item[:, S].sum(axis=1) for S in subsets], axis=1)  # [Q, J]
+    per_q = []
+    for q in range(per_item.shape[0]):
+        a, p = actual[:, q], pred[q]
+        per_q.append(None if (np.all(a == a[0]) or np.all(p == p[0])) else float(spearmanr(p, a)[0]))
+    vals = [v for v in per_q if v is not None]
+    agg = correlations(pred.mean(axis=0), actual.mean(axis=1))
+    return {"lds": float(np.mean(vals)) if vals else None, "per_item": per_q, "aggregate_spearman": agg["spearman"]}
+
+
+class _removed_after:
+    """Delete the scratch retrain directory however the loop ends."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        shutil.rmtree(self.path, ignore_errors=True)
+        return False
+
+
+class _restore_hf_bars:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
+        return False
+
+
+def truth_oracle(cfg: Config, items: list[int], subsets: list[list[int]], actual: np.ndarray) -> Optional[float]:
+    """LDS of a predictor that knows the ground truth (demo scenarios): for an item whose planted row is known
+    (truth.json planted_facts[].eval_indices or .eval_index), whether that row was removed; for other items, how many planted rows
+    were. A ceiling for scores on this design: with small subsets few of them remove an item's cause, and the
+    rest vary only by the (deterministic but chaotic) effect of removing unrelated rows."""
+    from scipy.stats import spearmanr
+
+    f = cfg.output_dir / "truth.json"
+    if not f.exists():
+        return None
+    try:
+        truth = json.loads(f.read_text())
+    except ValueError:
+        return None
+    planted = set(int(p) for p in truth.get("planted") or [])
+    if not planted:
+        return None
+    own = {}
+    for pf in truth.get("planted_facts") or []:
+        if "position" in pf:
+            for i in pf.get("eval_indices") or ([pf["eval_index"]] if "eval_index" in pf else []):
+                own[int(i)] = int(pf["position"])
+    vals = []
+    for q, it in enumerate(items):
+        pred = np.array([float(own[it] in S) if it in own else float(len(planted & set(S))) for S in subsets])
+        a = actual[:, q]
+        if not (np.all(pred == pred[0]) or np.all(a == a[0])):
+            vals.append(float(spearmanr(pred, a)[0]))
+    return float(np.mean(vals)) if vals else None
+
+
+def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float = 0.05,
+                 preconditioners: Optional[list[str]] = None, console=None) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    from ..attribution.engine import ModelGradients, ScoringSettings
+    from ..config import AttributionConfig
+    from ..pipeline import index_stage
+    from ..progress import progress_bar
+    from ..setup.model import load_model
+    from ..setup.session import open_session
+
+    t_all = time.time()
+    report = read_report(cfg, "check")
+    recipe, recipe_path = load_recipe(cfg)
+    user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
+    precs = preconditioners or [cfg.attribution.preconditioner]
+    import typing
+
+    known = typing.get_args(AttributionConfig.model_fields["preconditioner"].annotation)
+    for p in precs:
+        if p not in known:
+            raise VerifyError(f"--preconditioner {p}: unknown; one of {', '.join(known)}")
+    say = console.print if console is not None else (lambda *a, **kw: None)
+
+    s = open_session(cfg)
+    qitems, direction = report_queries(report)
+    sign = direction_sign(direction)
+    n = len(s.examples)
+    ix = index_stage(s)
+    try:
+        per_item = {p: scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction, preconditioner=p))
+                    for p in precs}
+        qv = ModelGradients.from_session(s, ix.capture).query_vectors(qitems)
+    finally:
+        ix.close()
+    qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
+    l_user = query_losses(s.model, s, qitems)
+    s.model = None  # free it: each retrain is loaded on its own
+
+    primary = precs[0]
+    agg = {p: v.mean(axis=0) for p, v in per_item.items()}
+    rows = loo_rows(agg[primary], loo, cfg.seed) if loo > 0 else []
+    m = max(1, int(round(frac * n)))
+    subs = lds_subsets(n, m, subsets, cfg.seed) if subsets > 0 else []
+    jobs = [("reference", [])] + [(f"loo-{p}", [p]) for p, _ in rows] + [(f"lds-{j}", S) for j, S in enumerate(subs)]
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".fidelity-retrains-", dir=cfg.output_dir))
+    say(f"fidelity: {len(jobs)} deterministic retrains (1 reference, {len(rows)} leave-one-out, {len(subs)} "
+        f"leave-{m}-out)")
+    losses: dict[str, np.ndarray] = {}
+    ref_equal = None
+    t_train = t_meas = 0.0
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one bar for the whole loop, not a weight-loading bar per retrain
+    with _restore_hf_bars(hf_bars), _removed_after(work), \
+            progress_bar("fidelity retrains", total=len(jobs), unit="retrains") as bar:
+        for name, excl in jobs:
+            t0 = time.time()
+            path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False)
+            t1 = time.time()
+            if name == "reference":
+                ref_equal = adapters_equal(path, user_adapter)
+            model = load_model(cfg, str(path))
+            losses[name] = query_losses(model, s, qitems)
+            del model
+            t_train += t1 - t0
+            t_meas += time.time() - t1
+            bar.advance()
+
+    ref = losses["reference"]
+
+    def actual(name: str) -> np.ndarray:  # [Q]
+        return sign * (ref - losses[name]) / qnorm
+
+    res: dict = {
+        "schema": SCHEMA,
+        "query_measure": ("per failing item: sign * (L_q(reference retrain) - L_q(retrain)) / |grad L_q|, with L_q = "
+                          "loss(expected) - loss(generated) summed over tokens (contrastive) or loss(expected) "
+                          "(classic); sign = +1 for a regression, -1 for an improvement"),
+        "direction": direction,
+        "n_rows": n,
+        "n_items": len(qitems),
+        "preconditioners": precs,
+        "reference": {"reproduced_bit_for_bit": bool(ref_equal),
+                      "max_abs_query_loss_gap": float(np.max(np.abs(ref - l_user))) if len(ref) else 0.0},
+        "recipe": str(recipe_path),
+        "items": [q.item for q in qitems],
+        "query_grad_norms": [float(x) for x in qnorm],
+        "reference_query_losses": [float(x) for x in ref],
+    }
+    if rows:
+        act = np.array([actual(f"loo-{p}").mean() for p, _ in rows])
+        by = {}
+        for p in precs:
+            pred = np.array([agg[p][z] for z, _ in rows])
+            by[p] = correlations(pred, act)
+        res["loo"] = {
+            "rows_per_group": loo, "n": len(rows), "pearson": by[primary]["pearson"],
+            "spearman": by[primary]["spearman"], "by_preconditioner": by,
+            "rows": [{"position": z, "group": g, "predicted": float(agg[primary][z]), "actual": float(a),
+                      "actual_items": [round(float(x), 8) for x in actual(f"loo-{z}")]}
+                     for (z, g), a in zip(rows, act)],
+        }
+    if subs:
+        A = np.stack([actual(f"lds-{j}") for j in range(len(subs))])  # [J, Q]
+        by = {p: lds(per_item[p], subs, A) for p in precs}
+        oracle = truth_oracle(cfg, [q.item for q in qitems], subs, A)
+        res["lds"] = {"subsets": len(subs), "subset_size": m, "fraction": frac, "lds": by[primary]["lds"],
+                      "by_preconditioner": by, "truth_oracle": oracle, "removed": subs,
+                      "actual": [[round(float(x), 8) for x in row] for row in A]}
+    res["timings"] = {"retrain": round(t_train, 2), "measure": round(t_meas, 2), "retrains": len(jobs),
+                      "total": round(time.time() - t_all, 2)}
+    atomic_write_text(cfg.output_dir / "fidelity.json", json.dumps(res, indent=2))
+    from .verify import rewrite_html
+
+    rewrite_html(cfg.output_dir)
+    return res

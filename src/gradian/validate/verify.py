@@ -1,0 +1,346 @@
+"""`gradian verify`: prove an attribution by retraining without the accused rows.
+
+What it does, in order:
+
+1. Reads ``OUT/report.json`` (refused when missing or when its verdict is not ``attributed``) and the recipe
+   ``gradian_recipe.json`` beside ``model.adapter`` (refused when missing: an adapter trained elsewhere. The message
+   lists the fields of a recipe the user can write by hand, see :data:`RECIPE_REQUIRED`).
+2. Retrains from the same base with the same recipe (seed, hyperparameters, data order) three ways:
+   *reference* (nothing dropped: proves the recipe reproduces the fine-tune, bit for bit on CPU),
+   *accused* (minus the top-K rows of the ranking) and N *controls* (minus K random rows, never an accused one,
+   drawn with ``numpy.random.default_rng([seed, 6, i])``).
+3. Re-measures the capability of each retrain on the same eval items with the same generation settings, and
+   reports its value, the share of the fine-tune's change it reverted and paired bootstrap intervals.
+
+Removal is by zero-weighting in place (see :func:`gradian.train.train_adapter`): the data order is a function of
+(n, epochs, batch size, seed) only, so every remaining row keeps its batch and its step; a dropped row contributes
+nothing to its batch's loss, whose token-weighted mean is over the remaining rows' supervised tokens. A batch left
+with no rows skips its optimizer step. Nothing else changes between the original fine-tune and a retrain.
+
+Definitions
+-----------
+``reverted_fraction = (cap_retrained - cap_tuned) / (cap_base - cap_tuned)``: 1 means dropping the rows undid the
+whole change, 0 means nothing moved, negative means the retrain moved further away. ``tuned`` is the original
+fine-tune's per-item scores from report.json; when the reference retrain does not reproduce the adapter bit for
+bit (another trainer's recipe, a non-deterministic GPU kernel) the reference retrain is the ``tuned`` side instead,
+so every comparison is retrain-vs-retrain. ``difference`` / ``difference_ci`` is the paired bootstrap interval of
+``cap_retrained - cap_tuned`` over the eval items; ``ci`` is the paired bootstrap interval of the reverted fraction
+itself (numerator and denominator resampled together, see :func:`reverted_interval`).
+
+Default K: the number of planted rows when ``OUT/truth.json`` (or the report's ``truth``) says so; otherwise
+``min(attribution.top_k, max(1, ceil(5% of the rows)))``: a claim about a handful of rows, not a sizeable share of
+the data (dropping a large share would revert any change and prove nothing).
+
+Verdict rule (:func:`decide`): *confirmed* when the accused retrain reverts at least 50% of the change, at least
+25 percentage points more than the mean of the random controls, and its difference interval excludes zero on the
+reverting side. Otherwise *not confirmed*; *inconclusive* when the reference retrain does not reproduce a change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..capability.metrics import paired_bootstrap
+from ..config import Config
+from ..errors import VerifyError
+from ..io import atomic_write_text
+from ..training.recipe import load_recipe
+from .retrain import adapters_equal, measure_adapter, retrain
+
+SCHEMA = "gradian.verify/1"
+RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_excludes_zero": True}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def read_report(cfg: Config, verb: str = "verify") -> dict:
+    path = cfg.output_dir / "report.json"
+    if not path.exists():
+        raise VerifyError(f"{path}: no report to {verb}; run `gradian attribute CONFIG` first")
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise VerifyError(f"{path}: cannot be read as JSON ({e})") from None
+    verdict = report.get("verdict")
+    if verdict != "attributed":
+        why = {"declined": "the fine-tune did not move the capability measurably, so no rows were accused",
+               "smoke_test": "there is no eval set, so the ranking is a smoke test, not an accusation"}.get(
+                   verdict, f"the verdict is {verdict!r}")
+        raise VerifyError(f"{path}: verdict is '{verdict}', not 'attributed': {why}; there is nothing to {verb}")
+    if not report.get("ranking"):
+        raise VerifyError(f"{path}: the report ranks no training rows; rerun `gradian attribute CONFIG`")
+    return report
+
+
+def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
+    truth = _truth(cfg, report)
+    if truth and truth.get("planted"):
+        return len(truth["planted"]), "the number of planted rows (truth.json)"
+    k = min(cfg.attribution.top_k, max(1, math.ceil(0.05 * n_rows)))
+    return k, "min(attribution.top_k, 5% of the rows)"
+
+
+def _truth(cfg: Config, report: dict) -> Optional[dict]:
+    f = cfg.output_dir / "truth.json"
+    if f.exists():
+        try:
+            return json.loads(f.read_text())
+        except ValueError:
+            return None
+    return report.get("truth")
+
+
+def accused_positions(report: dict, scores: Optional[np.ndarray], k: int) -> list[int]:
+    """The top k rows in the order the report shows them (exact re-ranking included), then by scores.npy."""
+    out = [int(r["position"]) for r in report.get("ranking", [])][:k]
+    if len(out) < k and scores is not None:
+        from ..attribution.scoring import rank
+
+        seen = set(out)
+        out += [int(p) for p in rank(scores) if int(p) not in seen][: k - len(out)]
+    return out
+
+
+def control_sets(n: int, k: int, accused: Sequence[int], n_controls: int, seed: int) -> list[list[int]]:
+    """n_controls seeded draws of k rows from those not accused."""
+    pool = np.array(sorted(set(range(n)) - set(int(a) for a in accused)), dtype=np.int64)
+    if pool.size < k:
+        raise VerifyError(f"only {pool.size} rows are not accused; cannot draw a random control of {k}")
+    return [sorted(np.random.default_rng([seed, 6, i]).choice(pool, size=k, replace=False).tolist())
+            for i in range(n_controls)]
+
+
+# ------------------------------------------------------------------------------------------ arithmetic
+
+
+def reverted_interval(base: Sequence[float], tuned: Sequence[float], retrained: Sequence[float], *, samples: int,
+                      confidence: float, seed: int) -> list[Optional[float]]:
+    """Paired percentile bootstrap of the ratio (mean(retrained) - mean(tuned)) / (mean(base) - mean(tuned)).
+
+    Items are resampled together for numerator and denominator, so a retrain that restores every changed item has
+    the interval [1, 1]. Resamples in which base and tuned do not differ (no change to revert) are left out."""
+    b, t, r = (np.asarray(x, dtype=np.float64) for x in (base, tuned, retrained))
+    n = b.size
+    if n == 0:
+        return [None, None]
+    rng = np.random.default_rng(seed)
+    ratios = []
+    step = max(1, 2_000_000 // n)
+    for s0 in range(0, samples, step):
+        idx = rng.integers(0, n, size=(min(step, samples - s0), n))
+        den = (b[idx] - t[idx]).mean(axis=1)
+        num = (r[idx] - t[idx]).mean(axis=1)
+        ok = np.abs(den) > 1e-12
+        ratios.append(num[ok] / den[ok])
+    allr = np.concatenate(ratios) if ratios else np.array([])
+    if allr.size < max(10, samples // 10):
+        return [None, None]
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(allr, [alpha / 2, 1 - alpha / 2])
+    return [float(lo), float(hi)]
+
+
+def compare(base: Sequence[float], tuned: Sequence[float], retrained: Sequence[float], *, samples: int,
+            confidence: float, seed: int) -> dict:
+    """Capability of a retrain, the share of the change it reverted and its paired intervals."""
+    b, t, r = (float(np.mean(x)) for x in (base, tuned, retrained))
+    diff, lo, hi = paired_bootstrap(tuned, retrained, samples=samples, confidence=confidence, seed=seed)
+    den = b - t
+    if abs(den) < 1e-12:
+        frac, ci = None, [None, None]
+    else:
+        frac = diff / den
+        ci = reverted_interval(base, tuned, retrained, samples=samples, confidence=confidence, seed=seed)
+    return {"capability": r, "reverted_fraction": frac, "ci": ci, "difference": diff, "difference_ci": [lo, hi]}
+
+
+def decide(accused: dict, controls: list[dict], base: float, tuned: float) -> tuple[bool | None, str]:
+    """The verdict rule: see the module docstring. Returns (confirmed or None when inconclusive, reason)."""
+    if abs(base - tuned) < 1e-12:
+        return None, "the reference retrain does not reproduce a capability change, so nothing can be reverted"
+    fr = accused["reverted_fraction"]
+    cm = float(np.mean([c["reverted_fraction"] for c in controls])) if controls else 0.0
+    lo, hi = accused["difference_ci"]
+    toward_base = np.sign(base - tuned)
+    excludes_zero = (lo > 0) if toward_base > 0 else (hi < 0)
+    ok = fr >= RULE["min_reverted"] and fr >= cm + RULE["min_margin_over_controls"] and excludes_zero
+    if ok:
+        return True, "reverted >= 50%, >= controls + 25 points, interval excludes zero"
+    why = []
+    if fr < RULE["min_reverted"]:
+        why.append(f"reverted {fr:.0%} < 50%")
+    if fr < cm + RULE["min_margin_over_controls"]:
+        why.append(f"not 25 points above the random controls ({cm:.0%})")
+    if not excludes_zero:
+        why.append("the interval of the difference includes zero")
+    return False, "; ".join(why)
+
+
+def statement(res: dict) -> str:
+    m, k = res["metric"], res["top_k"]
+    a = res["accused"]
+    if res["confirmed"] is None:
+        return (f"Inconclusive: {res['reason']}. Retraining with the recipe gave {m} {res['tuned']:.2f} "
+                f"vs base {res['base']:.2f}.")
+    ctl = (f"dropping {k} random rows reverted {res['control_mean_reverted']:.0%} on average "
+           f"({len(res['controls'])} control{'s' if len(res['controls']) != 1 else ''})") if res["controls"] else "no random control was run"
+    lo, hi = a["ci"]
+    interval = (f" ({int(res['confidence'] * 100)}% interval {lo:.0%} to {hi:.0%})" if lo is not None else "")
+    core = (f"retraining without the top {k} accused rows moved {m} from {res['tuned']:.2f} to {a['capability']:.2f} "
+            f"(base {res['base']:.2f}): {a['reverted_fraction']:.0%} of the fine-tune's change reverted{interval}; "
+            f"{ctl}")
+    if res["confirmed"]:
+        return f"Confirmed: {core}. These rows caused the change."
+    return f"Not confirmed: {core} ({res['reason']})."
+
+
+# ------------------------------------------------------------------------------------------ the verb
+
+
+def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, keep_adapters: bool = False,
+               reference: bool = True, console=None) -> dict:
+    """Retrain without the accused and without random rows; writes OUT/verify.json and OUT/report.html."""
+    from ..runtime import configure_threads, seed_everything
+    from ..setup.session import open_session
+
+    t_all = time.time()
+    configure_threads(cfg.model.threads)
+    report = read_report(cfg, "verify")
+    recipe, recipe_path = load_recipe(cfg)
+    user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
+    if not cfg.data.eval:
+        raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
+    ctx = open_session(cfg, load_model_=False)
+    n = len(ctx.examples)
+    cap = report.get("capability") or {}
+    items = cap.get("items") or []
+    if len(items) != len(ctx.eval_items):
+        raise VerifyError(f"{cfg.output_dir / 'report.json'}: it measured {len(items)} eval items but data.eval has "
+                          f"{len(ctx.eval_items)}; rerun `gradian attribute CONFIG`")
+    base_s = [float(it["base_score"]) for it in items]
+    tuned_s = [float(it["tuned_score"]) for it in items]
+    scores_path = cfg.output_dir / "scores.npy"
+    scores = np.load(scores_path, allow_pickle=False) if scores_path.exists() else None
+    if top_k is None:
+        k, k_rule = default_top_k(cfg, report, n)
+    else:
+        k, k_rule = int(top_k), "--top-k"
+    if k < 1 or k >= n:
+        raise VerifyError(f"--top-k {k}: must be between 1 and {n - 1} (the training set has {n} rows)")
+    accused = accused_positions(report, scores, k)
+    if len(accused) < k:
+        raise VerifyError(f"the report ranks only {len(accused)} rows and OUT/scores.npy is missing; use --top-k "
+                          f"{len(accused)} or rerun attribute with a larger attribution.top_k")
+    ctl_sets = control_sets(n, k, accused, controls, cfg.seed)
+    seed_everything(cfg.seed)
+
+    work = cfg.output_dir / "verify"
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = ([("reference", [])] if reference else []) + [("accused", accused)] + \
+           [(f"control-{i + 1}", s) for i, s in enumerate(ctl_sets)]
+    say = console.print if console is not None else (lambda *a, **kw: None)
+    measured: dict[str, dict] = {}
+    timings: dict[str, float] = {}
+    e = cfg.evaluation
+    try:
+        for j, (name, excl) in enumerate(jobs, start=1):
+            what = "nothing dropped" if not excl else (f"minus the top {k} accused rows" if name == "accused"
+                                                         else f"minus {k} random rows")
+            say(f"[bold]retrain {j}/{len(jobs)}[/] {name}: {what}")
+            t0 = time.time()
+            path = retrain(cfg, recipe, excl, work / name, user_adapter)
+            t1 = time.time()
+            sc, gen = measure_adapter(cfg, path, ctx)
+            measured[name] = {"path": path, "scores": sc, "generated": gen, "excluded": list(excl),
+                              "train_seconds": round(t1 - t0, 2), "eval_seconds": round(time.time() - t1, 2)}
+            timings[name] = round(time.time() - t0, 2)
+    except BaseException:
+        if not keep_adapters:
+            _remove_retrains(work, [name for name, _ in jobs])
+        raise
+
+    ref = None
+    tuned_side = tuned_s
+    if reference:
+        r = measured["reference"]
+        same = adapters_equal(r["path"], user_adapter)
+        ref = {"reproduced_bit_for_bit": same, "capability": float(np.mean(r["scores"])),
+               "matches_original_items": r["scores"] == tuned_s}
+        if not same:
+            tuned_side = r["scores"]  # compare retrain with retrain
+        ref["used_as_tuned"] = not same
+    base_m, tuned_m = float(np.mean(base_s)), float(np.mean(tuned_side))
+
+    def cmp(name: str) -> dict:
+        m = measured[name]
+        d = compare(base_s, tuned_side, m["scores"], samples=e.bootstrap_samples, confidence=e.confidence, seed=cfg.seed)
+        d.update({"positions": m["excluded"], "item_scores": m["scores"], "generated": m["generated"],
+                  "train_seconds": m["train_seconds"], "eval_seconds": m["eval_seconds"]})
+        return d
+
+    acc = cmp("accused")
+    ctls = [cmp(f"control-{i + 1}") for i in range(len(ctl_sets))]
+    ctl_fr = [c["reverted_fraction"] for c in ctls if c["reverted_fraction"] is not None]
+    ctl_mean = float(np.mean(ctl_fr)) if ctl_fr else None
+    if acc["reverted_fraction"] is None:
+        confirmed, reason = None, "the reference retrain does not reproduce a capability change, so nothing can be reverted"
+    else:
+        confirmed, reason = decide(acc, ctls, base_m, tuned_m)
+    truth = _truth(cfg, report)
+    res = {
+        "schema": SCHEMA,
+        "metric": cap.get("metric", e.metric),
+        "n_items": len(items),
+        "n_rows": n,
+        "top_k": k,
+        "top_k_rule": k_rule,
+        "base": base_m,
+        "tuned": tuned_m,
+        "original_tuned": float(np.mean(tuned_s)),
+        "confidence": e.confidence,
+        "accused": acc,
+        "controls": ctls,
+        "control_mean_reverted": ctl_mean,
+        "reference": ref,
+        "confirmed": confirmed,
+        "reason": reason,
+        "rule": dict(RULE),
+        "recipe": str(recipe_path),
+        "removal": "zero-weighted in place: other rows keep their batches and steps",
+        "adapters": str(work) if keep_adapters else None,
+        "timings": {**timings, "total": round(time.time() - t_all, 2)},
+    }
+    if truth and truth.get("planted"):
+        planted = set(int(p) for p in truth["planted"])
+        res["accused"]["planted_among"] = len(planted & set(accused))
+    res["statement"] = statement(res)
+    if not keep_adapters:
+        _remove_retrains(work, [name for name, _ in jobs])
+    atomic_write_text(cfg.output_dir / "verify.json", json.dumps(res, indent=2))
+    rewrite_html(cfg.output_dir)
+    return res
+
+
+def _remove_retrains(work: Path, names: Sequence[str]) -> None:
+    """Delete the retrained adapters verify wrote (only those), then OUT/verify itself when it is empty."""
+    for name in names:
+        shutil.rmtree(work / name, ignore_errors=True)
+    try:
+        work.rmdir()
+    except OSError:
+        pass
+
+
+def rewrite_html(run_dir: Path) -> Optional[Path]:
+    from ..report.html import load_run, write_html
+
+    rep, ver, fid = load_run(run_dir)
+    return write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
