@@ -25,7 +25,7 @@ from ..progress import progress_bar
 from ..runtime import seed_everything
 from ..setup.batches import collate
 from ..setup.model import load_base, load_tokenizer
-from ..setup.records import dataset_fingerprint, load_train
+from ..setup.records import data_location, dataset_fingerprint, load_train
 from ..setup.tokenize import tokenize_example
 from .recipe import RECIPE_FILE, Recipe
 from .schedule import make_scheduler
@@ -65,7 +65,7 @@ def train_adapter(
     stop_epoch = recipe.stop_epoch if recipe else None
     seed_everything(seed)
     tok = load_tokenizer(cfg)
-    examples = load_train(cfg.path(cfg.data.train))
+    examples = load_train(data_location(cfg, cfg.data.train))
     fp = dataset_fingerprint(examples)
     if recipe and recipe.dataset_fingerprint not in (None, fp):
         raise ModelError(
@@ -134,7 +134,7 @@ def train_adapter(
             "loss_curve": [list(c) for c in curve],
             "checkpoints": [dict(c) for c in saved],
             **({"stop_epoch": stop} if stop else {}),
-            "data": str(cfg.path(cfg.data.train)),
+            "data": str(data_location(cfg, cfg.data.train)),
             "dataset_fingerprint": fp,
             "n_examples": len(examples),
             "excluded_positions": sorted(excluded),
