@@ -137,6 +137,8 @@ def sft_arguments(hp: dict, seed: int, recorded: Optional[dict], loss_flags: dic
     needs whatever the run used (no reporting, no hub, no checkpoints of the Trainer's own, every column kept)."""
     if recorded:
         kw = dict(recorded)
+        if not kw.get("max_steps") or kw["max_steps"] <= 0:
+            kw["num_train_epochs"] = hp["epochs"]  # a constant-rate checkpoint replay is a shorter run
     else:
         kw = {
             "learning_rate": hp["learning_rate"], "num_train_epochs": hp["epochs"],
@@ -151,7 +153,7 @@ def sft_arguments(hp: dict, seed: int, recorded: Optional[dict], loss_flags: dic
         }
     kw.update({
         "output_dir": str(out), "report_to": [], "save_strategy": "no", "push_to_hub": False,
-        "disable_tqdm": not progress, "remove_unused_columns": False, "dataloader_num_workers": 0,
+        "disable_tqdm": True, "remove_unused_columns": False, "dataloader_num_workers": 0,
         "use_cpu": getattr(device, "type", str(device)) == "cpu", "eval_strategy": "no",
     })
     if kw.get("use_cpu"):
@@ -178,11 +180,13 @@ def lora_config_of(hp: dict, recorded: Optional[dict]):
 
 def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
               progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
-              save_checkpoints: Optional[bool] = None, init_dir: Optional[Path] = None) -> Path:
+              save_checkpoints: Optional[bool] = None, init_file: Optional[Path] = None, model_factory=None,
+              backend_name: str = "trl") -> Path:
     """Train a LoRA adapter through TRL's SFTTrainer on data.train minus `exclude` (removed in place); the same
     contract as `training.loop.train_adapter` (checkpoints after `checkpoint_epochs` into `checkpoint_dir/epoch-k`,
-    or every earlier epoch inside the output when `save_checkpoints`). `init_dir` holds the recorded initial LoRA
-    weights of a callback run (`INIT_ADAPTER_FILE`)."""
+    or every earlier epoch inside the output when `save_checkpoints`). `init_file` holds the recorded initial LoRA
+    weights of a callback run (`INIT_ADAPTER_FILE`). `model_factory(cfg, hp, seed) -> (peft model, tokenizer)`
+    replaces the base and LoRA loading (the unsloth backend)."""
     import torch
 
     SFTConfig, SFTTrainer = import_trl()
@@ -199,7 +203,8 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     seed = int(recipe.seed) if recipe else cfg.seed
     stop_epoch = recipe.stop_epoch if recipe else None
     seed_everything(seed)
-    tok = load_tokenizer(cfg)
+    made = model_factory(cfg, hp, seed) if model_factory is not None else None
+    tok = made[1] if made else load_tokenizer(cfg)
     examples = load_train(data_location(cfg, cfg.data.train))
     fp = dataset_fingerprint(examples)
     if recipe and recipe.dataset_fingerprint not in (None, fp):
@@ -214,7 +219,7 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     out_dir = Path(out_dir) if out_dir else cfg.adapter_out
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.trl-", dir=out_dir.parent))
-    base = load_base(cfg)
+    base = made[0] if made else load_base(cfg)
     device = next(base.parameters()).device
     kw = sft_arguments(hp, seed, recorded, loss_flags, out=work / "trainer", device=device, dtype=cfg.model.dtype,
                        progress=progress)
@@ -235,6 +240,7 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     curve: list[list[float]] = []
     saved: list[dict] = []
     state_box: dict = {}
+    bar = None
 
     def record(epoch: int, step: int, tfp: Optional[str]) -> Recipe:
         scheduled = kw.get("lr_scheduler_type") not in ("constant", "constant_with_warmup")
@@ -245,7 +251,7 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
             base_rec.pop(k, None)
         return Recipe.model_validate({
             **base_rec,
-            "schema": "gradian.recipe/1", "backend": "trl", "seed": seed,
+            "schema": "gradian.recipe/1", "backend": backend_name, "seed": seed,
             "hyperparameters": {**hp, "epochs": total_epochs if scheduled else epoch},
             "schedule": f"TRL SFTTrainer, {kw.get('lr_scheduler_type')} learning rate, {kw.get('optim')}",
             "trainer_args": {k: v for k, v in kw.items() if k in TRAINER_ARG_KEYS} if not recorded else recorded,
@@ -267,6 +273,10 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             rates.append(float(kwargs["lr_scheduler"].get_last_lr()[0]))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if bar is not None:
+                bar.advance()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -298,9 +308,8 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
             return opt
 
     peft_config = lora_config_of(hp, recipe.lora_config if recipe else None)
-    init_file = Path(init_dir) / INIT_ADAPTER_FILE if init_dir is not None else None
-    model, pass_config = base, peft_config
-    if init_file is not None and init_file.exists():
+    model, pass_config = base, (None if made else peft_config)
+    if init_file is not None and init_file.exists() and not made:
         from peft import get_peft_model, set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -314,6 +323,10 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
             args = SFTConfig(**kw)
             trainer = _Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                                processing_class=tok, peft_config=pass_config, callbacks=[_Record()])
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        for cb in (PrinterCallback, ProgressCallback):  # gradian's own bar instead of per-step log prints
+            trainer.remove_callback(cb)
         trainer.data_collator = ExcludingCollator(trainer.data_collator, excluded)
         tfp = tokenized_fingerprint(trainer.train_dataset)
         state_box["tfp"] = tfp
@@ -323,7 +336,16 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
                 f"recorded run iterated ({recipe.tokenized_fingerprint}): another data file, order, tokenizer or "
                 "max_length. verify needs the original data and tokenizer; for a run TRL cannot reproduce, set "
                 "train.command to the script that trained it")
-        with quiet:
+        from ..progress import progress_bar
+
+        n = int(trainer.args.max_steps) if trainer.args.max_steps and trainer.args.max_steps > 0 else None
+        if n is None:
+            import math
+            per_epoch = math.ceil(math.ceil(len(trainer.train_dataset) / args.per_device_train_batch_size)
+                                  / args.gradient_accumulation_steps)
+            n = per_epoch * int(math.ceil((stop_epoch or args.num_train_epochs)))
+        with progress_bar(f"train ({backend_name})", total=n if progress else 0, unit="steps") as b, quiet:
+            bar = b
             trainer.train()
         final = trainer.model
         final.eval()
