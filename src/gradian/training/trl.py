@@ -58,7 +58,11 @@ def import_trl():
 def recorded_args(args) -> dict[str, Any]:
     """The training arguments that matter, as JSON values (enums as their names)."""
     d = args.to_dict()
-    return {k: d[k] for k in TRAINER_ARG_KEYS if k in d}
+    out = {k: d[k] for k in TRAINER_ARG_KEYS if k in d}
+    for k in out:
+        if k.endswith("_token"):  # to_dict masks every *_token field (meant for hub tokens) as "<EOS_TOKEN>"
+            out[k] = getattr(args, k, None)
+    return out
 
 
 def tokenized_fingerprint(dataset) -> str:
@@ -319,7 +323,7 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     quiet = _Quiet()
     try:
-        with quiet:
+        with quiet, _trl_errors("setting up"):
             args = SFTConfig(**kw)
             trainer = _Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                                processing_class=tok, peft_config=pass_config, callbacks=[_Record()])
@@ -344,7 +348,8 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
             per_epoch = math.ceil(math.ceil(len(trainer.train_dataset) / args.per_device_train_batch_size)
                                   / args.gradient_accumulation_steps)
             n = per_epoch * int(math.ceil((stop_epoch or args.num_train_epochs)))
-        with progress_bar(f"train ({backend_name})", total=n if progress else 0, unit="steps") as b, quiet:
+        with progress_bar(f"train ({backend_name})", total=n if progress else 0, unit="steps") as b, quiet, \
+                _trl_errors("training"):
             bar = b
             trainer.train()
         final = trainer.model
@@ -362,6 +367,27 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
         logging.getLogger("gradian").warning("recorded training arguments not in this TRL's SFTConfig, ignored: %s",
                                              ", ".join(unknown))
     return out_dir
+
+
+class _trl_errors:
+    """TRL's and transformers' own errors (a bad argument, a template TRL cannot mask) as one TrainingError that
+    says which stage failed; gradian's errors and interrupts pass through."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        from ..errors import GradianError, TrainingError
+
+        if e is None or isinstance(e, (GradianError, KeyboardInterrupt)) or not isinstance(e, Exception):
+            return False
+        text = " ".join(str(e).split())
+        raise TrainingError(f"train.backend trl: TRL's SFTTrainer failed while {self.stage} ({type(e).__name__}: "
+                            f"{text[:400]}); check the recipe's training arguments (train.*, or the trainer_args "
+                            "recorded in gradian_recipe.json)") from None
 
 
 class _Quiet:
