@@ -262,3 +262,124 @@ def test_not_converged_from_the_curve_and_from_the_gradients(tmp_path):
         ix.close()
         flags[name] = [fl for fl in s.flags if fl["id"] == "train.not_converged"]
     assert flags["one"] and "times the 1/sqrt(n)" in flags["one"][0]["message"] and not flags["well"], flags
+
+
+# ------------------------------------------------------------------------------------------ TRL's data shapes
+
+
+def test_trl_prompt_completion_records_give_the_same_scores(command_run, tmp_path):
+    from gradian.config import load_config
+    from gradian.pipeline import attribute
+    from gradian.setup.records import load_train
+
+    run = tmp_path / "run"
+    shutil.copytree(command_run, run)
+    shutil.rmtree(run / "index")  # gradients recomputed from the new file, not reused
+    rows = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines()]
+    conv = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows]
+    (run / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in conv))
+    ex = load_train(run / "train.jsonl")
+    assert {e.shape for e in ex} == {"conversation_completion"}  # refused before: "'prompt' must be a string"
+    cfg = load_config(run / "gradian.yaml")
+    rep = attribute(cfg, truth=json.loads((run / "truth.json").read_text()))
+    assert rep["verdict"] == "attributed"
+    a, b = np.load(command_run / "scores.npy"), np.load(run / "scores.npy")
+    assert a.shape == b.shape == (48,) and np.array_equal(a, b)
+    assert [r["position"] for r in rep["ranking"]] == [r["position"] for r in json.loads(
+        (command_run / "report.json").read_text())["ranking"]]
+
+
+def test_parquet_and_csv_files_load_through_datasets(tmp_path):
+    import datasets
+
+    from gradian.errors import DataError
+    from gradian.setup.records import load_train
+
+    chats = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+             for i in range(5)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    datasets.Dataset.from_list(chats).to_parquet(str(tmp_path / "t.parquet"))
+    pc = [{"prompt": f"Q{i}: ", "completion": f"A{i}"} for i in range(4)]
+    datasets.Dataset.from_list(pc).to_csv(str(tmp_path / "t.csv"), index=False)
+    a, b = load_train(tmp_path / "t.jsonl"), load_train(tmp_path / "t.parquet")
+    assert [e.record for e in a] == [e.record for e in b] and [e.id for e in a] == [e.id for e in b]
+    c = load_train(tmp_path / "t.csv")
+    assert [e.record for e in c] == pc and c[0].shape == "prompt_completion"
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="bad.parquet: cannot be read as parquet") as ei:
+        load_train(tmp_path / "bad.parquet")
+    assert ei.value.check == "data.unreadable_record"
+
+
+HUB_SCRIPT = r'''
+import json, os, shutil, sys, hashlib
+from pathlib import Path
+cache, base, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+def put(kind, repo, files):  # a repository laid out the way huggingface_hub writes its cache
+    d = cache / f"{kind}s--{repo.replace('/', '--')}"
+    (d / "refs").mkdir(parents=True, exist_ok=True)
+    (d / "refs" / "main").write_text(SHA)
+    for name, data in files.items():
+        blob = d / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(exist_ok=True)
+        blob.write_bytes(data)
+        link = d / "snapshots" / SHA / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+
+rows = (work / "train.jsonl").read_bytes()
+put("dataset", "acme/facts", {"data/train.jsonl": rows, "data/test.jsonl": b"".join(rows.splitlines(True)[:5])})
+put("dataset", "acme/quiz", {"quiz.jsonl": (work / "eval.jsonl").read_bytes()})
+put("model", "acme/tiny", {f.name: f.read_bytes() for f in base.iterdir() if f.is_file()})
+
+from gradian import api
+from gradian.errors import DataError
+from gradian.setup.records import load_train, load_eval, data_location
+cfg = api.config_from_dict({"model": {"base": "acme/tiny"}, "data": {"train": "acme/facts", "eval": "acme/quiz"}})
+out = {"train": len(load_train(data_location(cfg, "acme/facts"))), "eval": len(load_eval(data_location(cfg, "acme/quiz"))),
+       "test": len(load_train(data_location(cfg, "acme/facts:test")))}
+out["pinned"] = len(load_train(data_location(cfg, f"acme/facts@{SHA}")))
+from gradian.setup.model import load_base, load_tokenizer
+out["model"] = type(load_base(cfg)).__name__
+out["vocab"] = len(load_tokenizer(cfg))
+from gradian.store.build import cache_key
+class P:
+    def spec(self): return {}
+out["key_with_hub"] = cache_key(cfg, [], P(), str(base)) != cache_key(
+    api.config_from_dict({"model": {"base": "acme/tiny"}, "data": {"train": str(work / "train.jsonl")}}), [], P(), str(base))
+for bad in ("acme/nope", "acme/facts:validation", "acme/facts@v9"):
+    try:
+        load_train(data_location(cfg, bad))
+        out[bad] = "loaded"
+    except DataError as e:
+        out[bad] = str(e)
+checks = {r.id: r.status for r in api.diagnose(api.config_from_dict(
+    {"model": {"base": "acme/tiny"}, "data": {"train": "acme/nope", "eval": "acme/quiz"}}))}
+out["diagnose_paths"] = checks["config.paths"]
+print(json.dumps(out))
+'''
+
+
+def test_hub_ids_resolve_offline_through_the_hub_cache(tmp_path):
+    """data.train / data.eval / model.base as hub ids, resolved by the real huggingface_hub and datasets code from
+    a hub cache laid out as huggingface_hub writes it, with HF_HUB_OFFLINE=1 (in a subprocess: the hub's settings
+    are read at import)."""
+    from gradian.demo.tiny import TinySpec, build_tiny_base
+
+    base = build_tiny_base(TinySpec(), progress=False)
+    run = tmp_path / "run"
+    write_tiny_run(run, n_rows=12, n_planted=1, n_control_eval=2)
+    (tmp_path / "hub.py").write_text(HUB_SCRIPT)
+    env = {**_env(), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hub")}
+    p = subprocess.run([sys.executable, str(tmp_path / "hub.py"), str(tmp_path / "hub"), str(base), str(run)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["train"] == out["pinned"] == 12 and out["test"] == 5 and out["eval"] == 4
+    assert out["model"] == "LlamaForCausalLM" and out["vocab"] > 100 and out["key_with_hub"] is True
+    assert "no dataset 'acme/nope'" in out["acme/nope"] or "'acme/nope'" in out["acme/nope"]
+    assert "no split 'validation'" in out["acme/facts:validation"] and "'test'" in out["acme/facts:validation"]
+    assert "acme/facts@v9" in out["acme/facts@v9"]
+    assert out["diagnose_paths"] == "fail"
