@@ -43,3 +43,8 @@ class CheckFailed(GradianError):
 
 class VerifyError(GradianError):
     """verify/fidelity cannot run on this run directory (no report, no recipe, nothing attributed)."""
+
+
+class TrainingError(GradianError):
+    """A training backend cannot run or failed (a missing extra, no GPU for unsloth, a train.command that failed,
+    timed out or wrote no adapter); the message names the backend, the setting and the log."""

@@ -1,7 +1,8 @@
 """`gradian diagnose`: setup checks with stable ids, run before anything costly, and again by `attribute` on what it
 loaded.
 
-The checks live one module per concern (`setup_checks`, `data`, `model`, `adapter`, `evaluation`, `resources`),
+The checks live one module per concern (`setup_checks`, `data`, `model`, `adapter`, `convergence`, `evaluation`,
+`resources`),
 registered with `registry.check`; they look at a `context.Context` that loads through the same loaders every verb
 uses. Calling them from code:
 
@@ -16,7 +17,7 @@ from typing import Optional
 
 from ..config import load_config
 from ..errors import CheckFailed
-from . import adapter, data, evaluation, model, resources, setup_checks  # noqa: F401 - they register the checks
+from . import adapter, convergence, data, evaluation, model, resources, setup_checks  # noqa: F401 - they register the checks
 from .context import Context
 from .registry import LEVELS, ORDER, REGISTRY, STATUSES, CheckResult, ordered, run_checks
 
