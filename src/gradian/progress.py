@@ -1,4 +1,7 @@
-"""Progress bars with a rate and an ETA (rich), quiet when stderr is not a terminal unless asked."""
+"""Progress bars with a rate and an ETA (rich), quiet when stderr is not a terminal unless asked.
+
+Under torchrun only rank 0 draws, and its bar counts every rank's rows: each `advance` adds to a counter in
+torch.distributed's store (`distributed.RowCounter`), and rank 0 shows the total."""
 
 from __future__ import annotations
 
@@ -29,8 +32,24 @@ def _enabled() -> bool:
     return sys.stderr.isatty()
 
 
+_bars = [0]  # bars opened in this process: under torchrun every rank opens the same bars in the same order
+
+
 @contextmanager
 def progress_bar(desc: str, total: int, unit: str = "rows") -> Iterator[_Bar]:
+    from .distributed import RowCounter, current
+
+    ranks = current()
+    _bars[0] += 1
+    if ranks.active:
+        counter = RowCounter(f"bar-{_bars[0]}")
+        if not ranks.is_main or not _enabled() or total <= 0:
+            class _Counting(_Bar):
+                def advance(self, n: int = 1) -> None:
+                    counter.add(n)
+
+            yield _Counting(None, None)
+            return
     if not _enabled() or total <= 0:
         yield _Bar(None, None)
         return
@@ -44,7 +63,10 @@ def progress_bar(desc: str, total: int, unit: str = "rows") -> Iterator[_Bar]:
 
         class _RateBar(_Bar):
             def advance(self, n: int = 1) -> None:
-                p.advance(task, n)
+                if ranks.active:  # every rank's rows
+                    p.update(task, completed=counter.add(n))
+                else:
+                    p.advance(task, n)
                 speed = p.tasks[0].speed
                 if speed:
                     p.update(task, rate=f"{speed:.1f} {unit}/s")

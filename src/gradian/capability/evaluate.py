@@ -9,9 +9,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..distributed import current, gather_by_index
 from ..grads.objectives import per_example_loss
 from ..progress import progress_bar
-from ..setup.batches import batches
+from ..setup.batches import owned_batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, eval_prompt_text, tokenize_example
 from .metrics import item_score, loglik_score, min_detectable_delta, paired_bootstrap
@@ -53,9 +54,14 @@ def generate_answers(
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = _stop_ids(tokenizer, model)
-    out: list[str] = []
+    starts = list(range(0, len(items), batch_size))
+    ranks = current()
+    done: dict[int, list[str]] = {}
     with progress_bar(desc, total=len(items)) as bar:
-        for s in range(0, len(items), batch_size):
+        for j, s in enumerate(starts):
+            if not ranks.owns(j):  # under torchrun, batch j is rank j % N's; the answers are gathered below
+                continue
+            answers: list[str] = []
             chunk = [_prompt_ids(tokenizer, it, chat) for it in items[s : s + batch_size]]
             T = max(len(c) for c in chunk)
             ids = torch.full((len(chunk), T), pad, dtype=torch.long)
@@ -69,9 +75,11 @@ def generate_answers(
                 temperature=None, top_p=None, top_k=None,
             )
             for row in gen[:, T:]:
-                out.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+                answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+            done[j] = answers
             bar.advance(len(chunk))
-    return out
+    every = gather_by_index(done)
+    return [a for j in range(len(starts)) for a in every[j]]
 
 
 @torch.no_grad()
@@ -82,10 +90,13 @@ def answer_logprobs(model, tokenizer, items: Sequence[EvalItem], answers: Sequen
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     lp, n = [], []
-    for part, ids, attn, sup in batches(toks, range(len(toks)), batch_size, pad, device):
+    done = {}
+    for j, part, ids, attn, sup in owned_batches(toks, range(len(toks)), batch_size, pad, device, current().owns):
         losses = per_example_loss(model, ids, attn, sup)
-        lp.extend((-losses).tolist())
-        n.extend(toks[j].n_supervised for j in part)
+        done[j] = ((-losses).tolist(), [toks[i].n_supervised for i in part])
+    for _, (lp_j, n_j) in sorted(gather_by_index(done).items()):
+        lp.extend(lp_j)
+        n.extend(n_j)
     return np.array(lp), np.array(n)
 
 

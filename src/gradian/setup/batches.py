@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from .tokenize import Tokenized
 
@@ -42,3 +42,18 @@ def batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int
         if device is not None:
             ids, attn, sup = ids.to(device), attn.to(device), sup.to(device)
         yield part, ids, attn, sup
+
+
+def owned_batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int, pad_id: int, device=None,
+                  owned: Optional[Callable[[int], bool]] = None):
+    """(j, positions, input_ids, attention_mask, supervised) for the batches j of `batches` that `owned(j)` keeps
+    (under torchrun: this rank's, `distributed.Ranks.owns`); the others are not even padded."""
+    pos = list(positions)
+    for j, s in enumerate(range(0, len(pos), batch_size)):
+        if owned is not None and not owned(j):
+            continue
+        part = pos[s : s + batch_size]
+        ids, attn, sup = collate([toks[i] for i in part], pad_id)
+        if device is not None:
+            ids, attn, sup = ids.to(device), attn.to(device), sup.to(device)
+        yield j, part, ids, attn, sup
