@@ -13,14 +13,25 @@ import pytest
 
 from gradian import distributed as D
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int = 2) -> list[str]:
+    """torchrun on one node with a static rendezvous on a free loopback port (no network beyond 127.0.0.1)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
 
 
 def torchrun(script: str, tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     f = tmp_path / "script.py"
     f.write_text(script)
     env = {**os.environ, "GRADIAN_THREADS": "1", "OMP_NUM_THREADS": "1", "GRADIAN_PROGRESS": "0"}
-    return subprocess.run([*TORCHRUN, str(f), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([*torchrun_cmd(), str(f), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def test_single_process_is_the_plain_case():
