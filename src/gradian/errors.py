@@ -43,3 +43,8 @@ class CheckFailed(GradianError):
 
 class VerifyError(GradianError):
     """verify/fidelity cannot run on this run directory (no report, no recipe, nothing attributed)."""
+
+
+class ResourceError(GradianError):
+    """Memory ran out (a CPU `MemoryError`, CUDA out of memory) in a stage; the message names the stage and the
+    setting to lower. Nothing half written is left: every output is written atomically, after its stage."""

@@ -101,24 +101,31 @@ class ModelGradients:
 
     def exact_queries(self, qitems) -> Callable[[Sequence[int]], np.ndarray]:
         """ks -> exact (parameter-space) query gradients of items ks, float32 [len(ks), D_exact]. Computed in the
-        fixed blocks of `directions.blocks` (so an item's vector is the same bits whichever caller asks) and only
-        the last block is kept: [Q, D_exact] is never held for all items."""
+        fixed blocks of `directions.blocks` (so an item's vector has the same bits whichever caller asks) and only
+        the last block is kept (at most `directions.DIRECTION_BYTES`): [Q, D_exact] is never held for all items,
+        and re-ranking, windows and spans of up to a block of items share one computation."""
         qitems = list(qitems)
         size = dirs_.block_size(self.exact_width)
         cache: dict = {}
 
+        def block(b: int) -> np.ndarray:
+            if b not in cache:
+                cache.clear()  # the previous block goes before the next is computed
+                cache[b] = self.query_vectors(qitems[b * size : (b + 1) * size], exact=True)
+            return cache[b]
+
         def get(ks: Sequence[int]) -> np.ndarray:
             ks = [int(k) for k in ks]
-            out = np.empty((len(ks), self.exact_width), dtype=np.float32)
+            out = None
             for b in sorted({k // size for k in ks}):
-                if b not in cache:
-                    cache.clear()
-                    lo = b * size
-                    cache[b] = self.query_vectors(qitems[lo : lo + size], exact=True)
-                for j, k in enumerate(ks):
-                    if k // size == b:
-                        out[j] = cache[b][k - b * size]
-            return out
+                lo, blk = b * size, block(b)
+                if [k - lo for k in ks] == list(range(blk.shape[0])):
+                    return blk  # the whole block, in order (callers never write into it)
+                if out is None:
+                    out = np.empty((len(ks), blk.shape[1]), dtype=np.float32)
+                js = [j for j, k in enumerate(ks) if k // size == b]
+                out[js] = blk[[ks[j] - lo for j in js]]
+            return out if out is not None else np.zeros((0, self.exact_width), dtype=np.float32)
 
         return get
 

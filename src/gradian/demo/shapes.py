@@ -228,7 +228,7 @@ class RunSpec:
     lora_r: int = 16
     lora_b_std: float = 0.05
     quantization: str = "none"  # the base the eval answers are generated with (none | nf4 | int8)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 4
     seed: int = 0
 
     def key(self, base: ShapeSpec) -> str:

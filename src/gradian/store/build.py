@@ -128,8 +128,9 @@ def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized
         with progress_bar("fit projection", total=fitter.passes * len(positions)) as bar:
             for _ in range(fitter.passes):  # the same batches each pass: wide-side directions, then site PCA
                 for batch, ids, attn, sup in batches(toks, positions, cfg.grads.batch_size, pad_id, device):
-                    per_site, _ = capture.site_grads(ids, attn, sup)
-                    fitter.update_all(per_site)
+                    site_iter, _ = capture.iter_site_grads(ids, attn, sup)
+                    for i, (dA, dB) in site_iter:  # one site at a time: never batch x exact width at once
+                        fitter.update(i, dA, dB)
                     bar.advance(len(batch))
                 fitter.end_pass()
         proj.set_basis(fitter.finish())
