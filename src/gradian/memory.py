@@ -56,7 +56,7 @@ def memory_guard(stage: str) -> Iterator[None]:
         if not is_out_of_memory(e):
             raise
         err = out_of_memory_error(stage, e)
+        e.__traceback__ = None  # its frames hold what the stage allocated
     else:
         return
-    # raised outside the handler: the out-of-memory exception, and the frames holding what the stage allocated, go
-    raise err
+    raise err from None

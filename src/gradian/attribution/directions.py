@@ -19,12 +19,12 @@ from ..grads.layout import block_slices
 DIRECTION_BYTES = 512 << 20  # float32 directions held at once
 
 
-def block_size(width: int, budget: int = DIRECTION_BYTES) -> int:
-    """Items per block of float32 directions of `width` within `budget` bytes (at least 1)."""
-    return max(1, int(budget // max(4 * int(width), 1)))
+def block_size(width: int, budget: Optional[int] = None) -> int:
+    """Items per block of float32 directions of `width` within `budget` bytes (default `DIRECTION_BYTES`)."""
+    return max(1, int((budget or DIRECTION_BYTES) // max(4 * int(width), 1)))
 
 
-def blocks(n: int, width: int, budget: int = DIRECTION_BYTES) -> list[list[int]]:
+def blocks(n: int, width: int, budget: Optional[int] = None) -> list[list[int]]:
     """[0, n) in consecutive blocks of `block_size(width)` (fixed boundaries: the same blocks every run)."""
     b = block_size(width, budget)
     return [list(range(a, min(n, a + b))) for a in range(0, n, b)]
