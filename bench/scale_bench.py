@@ -71,12 +71,12 @@ def child(spec: dict) -> dict:
     quiet_libraries()
     run_dir = Path(spec["run_dir"])
     if spec["kind"] == "shape":
-        from gradian.demo.shapes import SAVED_SHAPES, RunSpec, shape_run, write_shape_config
+        from gradian.demo.shapes import SAVED_SHAPES, RunSpec, ShapeSpec, shape_run, write_shape_config
 
-        shape = SAVED_SHAPES[spec["shape"]]
-        tmpl = shape_run(shape, RunSpec(rows=spec["rows"], quantization=spec.get("quantization", "none")))
-        cfg_path = write_shape_config(run_dir, tmpl, extra={"model": {"device": spec.get("device", "cpu")},
-                                                            **spec.get("extra", {})})
+        shape = ShapeSpec(**spec["shape_spec"]) if "shape_spec" in spec else SAVED_SHAPES[spec["shape"]]
+        tmpl = shape_run(shape, RunSpec(rows=spec["rows"], quantization=spec.get("quantization", "none"),
+                                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32")))
+        cfg_path = write_shape_config(run_dir, tmpl, extra=spec.get("extra", {}))
         model_bytes = sum(f.stat().st_size for f in Path(json.loads((tmpl / "build.json").read_text())["base"]).glob(
             "*.safetensors"))
     else:
@@ -95,7 +95,9 @@ def child(spec: dict) -> dict:
     idx = by.get("index", {})
     fit = by.get("fit", {})
     n = ix.get("examples") or 0
+    foot = getattr(probe, "model_footprint", None)
     out = {"label": spec["label"], "verdict": rep["verdict"], "rows": n, "model_bytes": model_bytes,
+           "model_footprint_mb": round(foot / 2**20, 1) if foot else None,
            "peak_mb": round(probe.process_peak_kb / 1024, 1), "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
            "index_dim": ix.get("dim"), "index_bytes": ix.get("bytes"), "projection_choice": ix.get("projection_choice"),
            "bytes_per_row": round(ix["bytes"] / n, 1) if n else None,
@@ -294,6 +296,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="*", default=["fixtures", "rows", "estimates"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="fixture labels (comma list of prefixes) to run")
     ap.add_argument("--rows", default="20000,100000", help="row counts of the rows scaling")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-scale-bench"))
     ap.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
@@ -308,21 +311,24 @@ def main() -> int:
     t_all = time.time()
     if "fixtures" in args.what:
         log("fixtures:")
-        res = [run_child(sp) for sp in fixture_specs(work, args.quick)]
+        pick = [p for p in args.only.split(",") if p]
+        res = [run_child(sp) for sp in fixture_specs(work, args.quick)
+               if not pick or any(sp["label"].startswith(p) for p in pick)]
         out["fixtures"] = res
         rows = []
         for r in res:
             if "error" in r:
-                rows.append([r["label"], "ERROR", r["error"]] + [""] * 8)
+                rows.append([r["label"], "ERROR", r["error"][:60]] + [""] * 8)
                 continue
             acc = acceptance_peak(r)
             pc = r["projection_choice"] or {}
             rows.append([r["label"], r["verdict"], r["rows"], pc.get("dim"), round(r["model_bytes"] / 2**20),
-                         r["peak_mb"], acc["bar_mb"], acc["ok"], r["bytes_per_row"], r["index_cpu_s_per_row"],
-                         r["cpu_s"]])
-        text.append(table("fixtures: attribute end to end (peak RSS of the whole run; bar = 3 x model bytes + 3 GB)",
-                          ["run", "verdict", "rows", "dim", "model_MB", "peak_MB", "bar_MB", "ok", "bytes/row",
-                           "index_cpu_s/row", "cpu_s"], rows))
+                         r.get("model_footprint_mb"), r["peak_mb"], acc["bar_mb"], acc["ok"], r["bytes_per_row"],
+                         r["index_cpu_s_per_row"], r["cpu_s"]])
+        text.append(table("fixtures: attribute end to end (peak RSS of the whole run; bar = 3 x model bytes + 3 GB; "
+                          "footprint = the loaded model's parameters and buffers)",
+                          ["run", "verdict", "rows", "dim", "model_MB", "footprint_MB", "peak_MB", "bar_MB", "ok",
+                           "bytes/row", "index_cpu_s/row", "cpu_s"], rows))
         for r in res:
             if "error" not in r:
                 text.append(table(f"stages of {r['label']}", ["stage", "calls", "cpu_s", "peak_MB", "growth_MB",

@@ -70,6 +70,7 @@ class StageProbe:
         self.process_peak_kb = 0
         self._undo: list[Callable[[], None]] = []
         self.cuda = False
+        self.model_footprint: Optional[int] = None
 
     # -------------------------------------------------------------------------------------------- measuring
 
@@ -132,7 +133,10 @@ class StageProbe:
 
         def wrapped(*a, **kw):
             with probe.stage(name):
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+            if name == "load" and getattr(out, "model", None) is not None:
+                probe.model_footprint = out.model.get_memory_footprint()
+            return out
 
         wrapped.__wrapped__ = fn
         return wrapped

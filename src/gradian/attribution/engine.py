@@ -6,6 +6,10 @@ row gradients against parameter-space directions, and per-token contributions al
 steps in order (preconditioned scores, best windows of long rows, exact re-ranking and the self-check of a projected
 index) from a `RowSource` over the index and small typed `ScoringSettings`; `attribute`, `fidelity` and the
 checkpoint average all call it, each with its own model side.
+
+Nothing here holds (exact width x rows) or (exact width x items): exact rows are streamed batch by batch, and
+parameter-space directions (`attribution.directions`) and exact query gradients come in fixed blocks of items of at
+most `directions.DIRECTION_BYTES`, one pass over the rows scored per block.
 """
 
 from __future__ import annotations

@@ -53,9 +53,13 @@ class ShapeSpec:
     max_position: int = 4096
     rope_theta: float = 10000.0
     seed: int = 0
+    dtype: str = "float32"  # of the saved weights (bfloat16 halves a 1B shape to 2.5 GB)
 
     def key(self) -> str:
-        payload = json.dumps({"spec": dataclasses.asdict(self), "code": SHAPES_CODE_VERSION}, sort_keys=True)
+        d = dataclasses.asdict(self)
+        if d["dtype"] == "float32":
+            d.pop("dtype")
+        payload = json.dumps({"spec": d, "code": SHAPES_CODE_VERSION}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -120,9 +124,15 @@ def meta_model(spec: ShapeSpec, r: int = 16):
 # ------------------------------------------------------------------------------------------------ tokenizer
 
 
-def padded_tokenizer(world: World, vocab: int, model_max_length: int = 4096):
-    """A byte-level BPE trained on the world's corpus (about 1,000 entries), its vocabulary padded with
-    `<extra_i>` entries to exactly `vocab` (no merge produces them), the tiny model's chat template."""
+# Special tokens transformers' tokenizer class for a family adds when a tokenizer lacks them (Qwen2's defaults name
+# <|endoftext|>): present among the padding entries, they keep len(tokenizer) at the model's vocabulary size.
+FAMILY_TOKENS = {"qwen2": ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "gemma2": ("<bos>", "<eos>", "<pad>")}
+
+
+def padded_tokenizer(world: World, vocab: int, model_max_length: int = 4096, family: str = "llama"):
+    """A byte-level BPE trained on the world's corpus (about 1,000 entries), its vocabulary padded with the family's
+    special tokens and `<extra_i>` entries to exactly `vocab` (no merge produces them), the tiny model's chat
+    template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -134,6 +144,8 @@ def padded_tokenizer(world: World, vocab: int, model_max_length: int = 4096):
     backend.train_from_iterator(list(world.corpus()), trainer)
     d = json.loads(backend.to_str())
     v = d["model"]["vocab"]
+    for name in FAMILY_TOKENS.get(family, ()):
+        v.setdefault(name, len(v))
     i = 0
     while len(v) < vocab:
         name = f"<extra_{i}>"
@@ -186,13 +198,13 @@ def shape_dir(spec: ShapeSpec, cache_dir: Optional[Path] = None) -> Path:
 
 
 def build_shape_base(spec: ShapeSpec, cache_dir: Optional[Path] = None) -> Path:
-    """The saved shape (seeded random weights, float32, safetensors) and its padded tokenizer; cached."""
+    """The saved shape (seeded random weights in `spec.dtype`, safetensors) and its padded tokenizer; cached."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     def make(tmp: Path) -> None:
         world = World.generate(seed=0, n_entities=64)
-        tok = padded_tokenizer(world, spec.vocab)
+        tok = padded_tokenizer(world, spec.vocab, family=spec.family)
         cfg = shape_config(spec, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
         verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -201,7 +213,7 @@ def build_shape_base(spec: ShapeSpec, cache_dir: Optional[Path] = None) -> Path:
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
-                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
             model.generation_config.eos_token_id = tok.eos_token_id
             model.generation_config.pad_token_id = tok.pad_token_id
             model.generation_config.do_sample = False
@@ -227,13 +239,20 @@ class RunSpec:
     items: int = 8
     lora_r: int = 16
     lora_b_std: float = 0.05
-    quantization: str = "none"  # the base the eval answers are generated with (none | nf4 | int8)
+    # the base the eval answers are generated with: its quantization (none | nf4 | int8), device and dtype (a greedy
+    # answer of bf16 on a GPU is not the fp32 CPU one, and the expected answer must be the base's own)
+    quantization: str = "none"
+    device: str = "cpu"
+    dtype: str = "float32"
     max_new_tokens: int = 4
     seed: int = 0
 
     def key(self, base: ShapeSpec) -> str:
-        payload = json.dumps({"run": dataclasses.asdict(self), "base": base.key(), "code": SHAPES_CODE_VERSION},
-                             sort_keys=True)
+        run = dataclasses.asdict(self)
+        for k, default in (("device", "cpu"), ("dtype", "float32")):  # keys of CPU float32 runs from before them
+            if run[k] == default:
+                run.pop(k)
+        payload = json.dumps({"run": run, "base": base.key(), "code": SHAPES_CODE_VERSION}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -261,7 +280,8 @@ def shape_run(spec: ShapeSpec, run: RunSpec = RunSpec(), cache_dir: Optional[Pat
         qs = [(e, a, p) for p in range(world.n_phrasings) for (e, a) in pairs]
         train = [_chat(world.question(e, a, p), world.value(e, a)) for e, a, p in qs[: run.rows]]
         (tmp / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-        cfg = config_from_dict({"model": {"base": str(base), "device": "cpu", "quantization": run.quantization},
+        cfg = config_from_dict({"model": {"base": str(base), "device": run.device, "dtype": run.dtype,
+                                          "quantization": run.quantization},
                                 "data": {"train": str(tmp / "train.jsonl")}})
         tok = load_tokenizer(cfg)
         with torch.random.fork_rng(devices=[]):
@@ -301,7 +321,8 @@ def write_shape_config(run_dir: Path, template: Path, *, extra: Optional[dict] =
     import yaml
 
     info = json.loads((Path(template) / "build.json").read_text())
-    cfg = {"model": {"base": info["base"], "adapter": str(Path(template) / "adapter"), "device": "cpu"},
+    cfg = {"model": {"base": info["base"], "adapter": str(Path(template) / "adapter"),
+                     "device": info["spec"].get("device", "cpu"), "dtype": info["spec"].get("dtype", "float32")},
            "data": {"train": str(Path(template) / "train.jsonl"), "eval": str(Path(template) / "eval.jsonl")},
            "evaluation": {"max_new_tokens": info["spec"]["max_new_tokens"]},
            "output": "out"}
