@@ -149,7 +149,16 @@ def logits_child(spec: dict) -> dict:
             "ratio": round(out["chunked"] / out["naive"], 3) if out["naive"] else None}
 
 
+DEADLINE = [float("inf")]  # wall-clock time by which every step must have ended (the script's budget)
+
+
 def run(kind: str, spec: dict, timeout: int) -> dict:
+    """One step in its own process, within `timeout` and the remaining budget (a step that cannot start in time
+    is skipped, so the script always ends with its JSON line)."""
+    left = DEADLINE[0] - time.time()
+    if left < 20:
+        return {"error": "skipped: the time budget is spent"}
+    timeout = int(min(timeout, left))
     cmd = [sys.executable, __file__, "--_child", kind, json.dumps(spec)]
     t = time.time()
     try:
@@ -168,6 +177,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU over small shapes")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-gpu-check"))
+    ap.add_argument("--budget", type=int, default=None, help="seconds for every step together (default 450 on a "
+                    "GPU: under the 8 minutes, 1500 for --cpu-smoke)")
     ap.add_argument("--_child", dest="child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -190,6 +201,7 @@ def main() -> int:
     out: dict = {"schema": "gradian.bench.gpu_check/1", "mode": "cpu-smoke" if smoke else "gpu", "device": device,
                  "gpu": None if smoke else torch.cuda.get_device_name(0), "attribute": [], "overhead": []}
     t0 = time.time()
+    DEADLINE[0] = t0 + (args.budget or (1500 if smoke else 450))
     failed = False
     for sh in shapes(smoke):
         for quant in ("none", "nf4"):
@@ -200,6 +212,7 @@ def main() -> int:
                     "run_dir": str(work / sh.name / quant)}
             res = run("attribute", spec, 240 if not smoke else 900)
             failed |= "error" in res or res.get("verdict") != "attributed"
+            res.setdefault("label", label)
             out["attribute"].append(res if "error" in res else {
                 k: res[k] for k in ("label", "verdict", "rows", "peak_mb", "gpu_peak_mb", "cpu_s", "wall_s",
                                     "index_dim", "bytes_per_row", "projection_choice", "stages", "process_seconds")
@@ -210,6 +223,7 @@ def main() -> int:
         res = run("overhead", {"shape_spec": dataclasses.asdict(sh), "device": device, "dtype": "bfloat16",
                                "reps": 3 if smoke else 5}, 240 if not smoke else 900)
         failed |= "error" in res
+        res.setdefault("shape", sh.name)
         out["overhead"].append(res)
     log("logit upcast ...")
     big = {"batch": 8, "tokens": 512, "vocab": 128256, "hidden": 2048, "chunk": 1024}

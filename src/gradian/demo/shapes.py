@@ -262,7 +262,8 @@ def _chat(q: str, a: str) -> dict:
 
 def shape_run(spec: ShapeSpec, run: RunSpec = RunSpec(), cache_dir: Optional[Path] = None) -> Path:
     """A cached run template on the saved shape: train.jsonl (`run.rows` chat rows of the demo world), adapter/
-    (LoRA r `run.lora_r` on all 7 projections, B ~ N(0, lora_b_std)), eval.jsonl (`run.items` questions whose
+    (LoRA r `run.lora_r` on all 7 projections, B ~ N(0, lora_b_std), scaled up until the adapter changes enough greedy
+    answers), eval.jsonl (`run.items` questions whose
     answer is the base's greedy answer, chosen among those the adapter answers otherwise). `write_shape_config`
     points a config at it."""
     base = build_shape_base(spec, cache_dir)
@@ -284,15 +285,18 @@ def shape_run(spec: ShapeSpec, run: RunSpec = RunSpec(), cache_dir: Optional[Pat
                                           "quantization": run.quantization},
                                 "data": {"train": str(tmp / "train.jsonl")}})
         tok = load_tokenizer(cfg)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(run.seed + 1)  # the LoRA's A init and B draw: the same adapter on any base
-            model = get_peft_model(load_base(cfg), lora_config(run.lora_r))
+
+        def draw_b(std: float) -> None:
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if "lora_B" in n:
-                        p.normal_(0.0, run.lora_b_std)
+                        p.normal_(0.0, std)
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(run.seed + 1)  # the LoRA's A init and B draw: the same adapter on any base
+            model = get_peft_model(load_base(cfg), lora_config(run.lora_r))
+            draw_b(run.lora_b_std)
         model.eval()
-        model.save_pretrained(tmp / "adapter")
         # candidates: other phrasings of the same facts, asked of the base and of the fine-tune
         cand = qs[run.rows : run.rows + 8 * run.items]
         (tmp / "cand.jsonl").write_text("".join(json.dumps({"prompt": world.question(e, a, p), "answer": "x"}) + "\n"
@@ -301,16 +305,27 @@ def shape_run(spec: ShapeSpec, run: RunSpec = RunSpec(), cache_dir: Optional[Pat
         kw = dict(chat=True, max_new_tokens=run.max_new_tokens, batch_size=16)
         with model.disable_adapter():
             base_ans = generate_answers(model, tok, items, desc="shape base answers", **kw)
-        tuned_ans = generate_answers(model, tok, items, desc="shape tuned answers", **kw)
-        keep = [(it, b) for it, b, t in zip(items, base_ans, tuned_ans) if b.strip() and b.strip() != t.strip()]
-        if len(keep) < run.items:
-            raise RuntimeError(f"only {len(keep)} of {len(items)} questions are answered differently by the adapter; "
-                               f"raise RunSpec.lora_b_std ({run.lora_b_std})")
+        # A small or low-precision model may need a larger B before the adapter changes its greedy answers: the
+        # scale grows by 4x per attempt (each a seeded draw), the first that changes enough answers is kept.
+        for attempt, mult in enumerate((1, 4, 16, 64)):
+            std = run.lora_b_std * mult
+            if attempt:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(run.seed + 1 + attempt)
+                    draw_b(std)
+            tuned_ans = generate_answers(model, tok, items, desc="shape tuned answers", **kw)
+            keep = [(it, b) for it, b, t in zip(items, base_ans, tuned_ans) if b.strip() and b.strip() != t.strip()]
+            if len(keep) >= run.items:
+                break
+        else:
+            raise RuntimeError(f"only {len(keep)} of {len(items)} questions are answered differently by the adapter "
+                               f"at B std up to {std}")
+        model.save_pretrained(tmp / "adapter")
         (tmp / "cand.jsonl").unlink()
         (tmp / "eval.jsonl").write_text("".join(json.dumps({"prompt": it.prompt, "answer": b}) + "\n"
                                                 for it, b in keep[: run.items]))
         (tmp / "build.json").write_text(json.dumps({"spec": dataclasses.asdict(run), "base": str(base),
-                                                    "shape": spec.name}, indent=2) + "\n")
+                                                    "shape": spec.name, "lora_b_std": std}, indent=2) + "\n")
 
     return _atomic_dir(shape_dir(spec, cache_dir) / "runs" / run.key(spec), make)
 

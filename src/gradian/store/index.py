@@ -430,6 +430,11 @@ class GradientIndex:
             if sel[-1] - sel[0] == len(sel) - 1:  # sorted, so this is a contiguous run (or has repeats: no)
                 sel = slice(int(sel[0]), int(sel[-1]) + 1)
             out[order[a:b]] = decode(data[sel], norms[sel] if norms is not None else None, self._dtype)
+            # Unmap the shard once its rows are copied: mapped pages count in the process's RSS (the kernel maps
+            # neighbouring cached pages on each fault), so keeping every shard mapped made a read of scattered rows
+            # cost about the index's size in RSS (1.8 GB for 4096 rows of a 2.7 GB index).
+            del data, norms
+            cache.pop(int(s_sorted[a]), None)
         return out
 
     def _blocks(self, row_keys: Sequence[str], block_rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
