@@ -37,10 +37,11 @@ def diagnose(cfg: ConfigLike) -> list:
 
 
 def train(cfg: ConfigLike) -> Path:
-    """LoRA SFT with the config's `train.*` recipe (`gradian train`); returns the adapter directory."""
-    from .training.loop import train_adapter
+    """LoRA SFT with the config's `train.*` recipe (`gradian train`) through `train.backend` (or `train.command`);
+    returns the adapter directory."""
+    from .training.backends import run_training
 
-    return train_adapter(_cfg(cfg))
+    return run_training(_cfg(cfg))
 
 
 def evaluate(cfg: ConfigLike):

@@ -88,16 +88,14 @@ def diagnose(config: Path, set: Optional[List[str]] = SetOpt,
 
 @app.command()
 def train(config: Path, set: Optional[List[str]] = SetOpt,
-          backend: str = typer.Option("hf", help="Training backend: hf (transformers + PEFT)")):
+          backend: Optional[str] = typer.Option(None, help="Training backend (same as --set train.backend=...): hf "
+                                                "(gradian's loop), trl (TRL's SFTTrainer), unsloth (NVIDIA GPU)")):
     """LoRA SFT with the config's recipe; writes the adapter and the recipe beside it."""
 
     def body():
         from . import api
-        from .errors import ConfigError
 
-        if backend != "hf":
-            raise ConfigError(f"--backend {backend}: only 'hf' is available in this build")
-        path = api.train(_load(config, set))
+        path = api.train(_load(config, (set or []) + ([f"train.backend={backend}"] if backend else [])))
         out.print(f"adapter written to [bold]{path}[/] (recipe: {path / 'gradian_recipe.json'})")
 
     _run(body)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -98,6 +98,32 @@ class TrainConfig(_Section):
     # Keep every earlier epoch's adapter in OUT/checkpoints/epoch-k (what attribution.checkpoints: auto averages).
     save_checkpoints: bool = True
     output: Optional[str] = None
+    # Learning-rate schedule (transformers' get_scheduler names) with linear warm-up over warmup_steps steps.
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    # supervised: assistant turns / completions / text (what attribution differentiates); all: every token.
+    loss: Literal["supervised", "all"] = "supervised"
+    # Who trains: gradian's own loop (hf), TRL's SFTTrainer (trl), unsloth (GPU), or any script (train.command).
+    backend: Literal["hf", "trl", "unsloth", "command"] = "hf"
+    command: Optional[str] = None
+    command_timeout: Optional[float] = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _command_backend(self):
+        if self.command is not None and not self.command.strip():
+            raise ValueError("train.command is empty; give the training command line or remove the key")
+        if self.command and "backend" in self.model_fields_set and self.backend != "command":
+            raise ValueError(f"train.command is set but train.backend is '{self.backend}'; drop one of them "
+                             "(train.command alone selects the command backend)")
+        if self.backend == "command" and not self.command:
+            raise ValueError("train.backend is 'command' but train.command is not set; give the training command "
+                             "line, e.g. 'python train.py --data {train} --out {output} --seed {seed}'")
+        return self
+
+    @property
+    def backend_name(self) -> str:
+        return "command" if self.command else self.backend
 
 
 class Config(_Section):

@@ -22,6 +22,7 @@ from .attribution.rerank import parameter_directions
 from .attribution.scoring import Scores, aggregate, auprc, rank, recall_at_k
 from .attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
 from .capability.evaluate import CapabilityResult, measure_capability
+from .checks.convergence import flag_from_index
 from .config import Config, dump_config
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
@@ -146,6 +147,7 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
     if verdict != "declined":
         ix = index_stage(s)
+        flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
         report["index"] = ix.info.summary()
         t0 = time.time()
         sc = None

@@ -61,20 +61,26 @@ def explicit_adapters(cfg) -> list[Path]:
 
 
 def replay_dir(cfg, adapter_path: str, recipe) -> Path:
-    h = hashlib.sha256(json.dumps({"adapter": dir_fingerprint(adapter_path),
-                                   "recipe": recipe.hyperparameters.model_dump(exclude_unset=True),
-                                   "seed": recipe.seed, "data": recipe.dataset_fingerprint},
-                                  sort_keys=True).encode()).hexdigest()[:16]
+    from ..training.backends import backend_for
+
+    key = {"adapter": dir_fingerprint(adapter_path), "recipe": recipe.hyperparameters.model_dump(exclude_unset=True),
+           "seed": recipe.seed, "data": recipe.dataset_fingerprint}
+    backend = backend_for(cfg, recipe)
+    if backend != "hf":  # gradian's own replays keep the directory they always had
+        key["backend"] = backend
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cfg.index_dir / CHECKPOINTS_DIR / h
 
 
 def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = True) -> tuple[list[Path], list[int]]:
-    """The earlier checkpoints of a Gradian-trained adapter, replayed from its recipe once and cached."""
-    from ..training.loop import train_adapter
+    """The earlier checkpoints of an adapter with a recipe (gradian train's, the TRL backend's or a
+    GradianCallback's), replayed from it once through its backend and cached. A constant rate replays a shorter run;
+    a schedule replays the whole run's schedule up to the last epoch needed."""
+    from ..training.backends import backend_for, init_file_of, run_training
     from ..training.recipe import read_recipe
 
     recipe = read_recipe(adapter_path)
-    if recipe is None:
+    if recipe is None or backend_for(cfg, recipe) == "command":
         return [], []
     total = int(recipe.hyperparameters.epochs)
     epochs = [k for k in checkpoint_epochs(total, count) if k < total]
@@ -83,10 +89,11 @@ def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = Tr
     root = replay_dir(cfg, adapter_path, recipe)
     paths = [root / f"epoch-{k}" for k in epochs]
     if not all(_intact(p) for p in paths):
-        rec = recipe.with_epochs(max(epochs))
+        rec = recipe.up_to_epoch(max(epochs))
         excl = recipe.excluded_positions or []
-        train_adapter(cfg, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", recipe=rec, progress=progress,
-                      checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root)
+        run_training(cfg, recipe=rec, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", progress=progress,
+                     checkpoint_epochs=[k for k in epochs if k < max(epochs)], checkpoint_dir=root,
+                     init_file=init_file_of(recipe, adapter_path))
         for p in paths:
             _seal(p)
     return paths, epochs
@@ -151,6 +158,33 @@ def evenly(items: Sequence, k: int) -> list:
     return [items[max(0, int(round(n * j / k)) - 1)] for j in range(1, k + 1)]
 
 
+def _weights_file(p: Path) -> Optional[Path]:
+    for f in ("adapter_model.safetensors", "adapter_model.bin"):
+        if (Path(p) / f).is_file():
+            return Path(p) / f
+    return None
+
+
+def without_final(saved: Sequence[Path], adapter_path: str) -> list[Path]:
+    """The saved checkpoints but any whose weights are byte-identical to the final adapter's (a Trainer's last
+    `checkpoint-<step>` is the adapter `save_model` writes): the final adapter is counted once."""
+    from ..io import sha256_file
+
+    final = _weights_file(Path(adapter_path))
+    if final is None:
+        return list(saved)
+    digest, size = None, final.stat().st_size
+    out = []
+    for p in saved:
+        f = _weights_file(p)
+        if f is not None and f.stat().st_size == size:
+            digest = digest or sha256_file(final)
+            if sha256_file(f) == digest:
+                continue
+        out.append(p)
+    return out
+
+
 def resolve(s) -> tuple[list[Path], list[str]]:
     """(earlier checkpoint adapters, their labels) for the session's config; flags when none can be had."""
     cfg = s.cfg
@@ -158,7 +192,7 @@ def resolve(s) -> tuple[list[Path], list[str]]:
         paths = explicit_adapters(cfg)
         return paths, [p.name for p in paths]
     n = cfg.attribution.checkpoints
-    saved = saved_adapters(s.adapter_path)
+    saved = without_final(saved_adapters(s.adapter_path), s.adapter_path)
     if n == "auto":
         picked = evenly(saved, AUTO_MAX - 1)
         return picked, [p.name for p in picked]
@@ -197,10 +231,97 @@ def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[
     return out
 
 
-def average(final: np.ndarray, earlier: Sequence[np.ndarray]) -> np.ndarray:
-    """Equal-weight mean of the final checkpoint's scores and the earlier ones' (TracIn with a constant rate)."""
-    return (np.asarray(final, dtype=np.float64) + sum(np.asarray(e, dtype=np.float64) for e in earlier)) / (
-        1 + len(earlier))
+def average(final: np.ndarray, earlier: Sequence[np.ndarray], weights: Optional[Sequence[float]] = None) -> np.ndarray:
+    """Mean of the final checkpoint's scores and the earlier ones', weighted by `weights` ([earlier..., final], the
+    learning rate each checkpoint stands for: TracIn-CP). Equal weights (or none) give the plain mean, computed as
+    `(final + sum(earlier)) / (1 + len(earlier))` bit for bit."""
+    if weights is None or len(set(float(w) for w in weights)) <= 1:
+        return (np.asarray(final, dtype=np.float64) + sum(np.asarray(e, dtype=np.float64) for e in earlier)) / (
+            1 + len(earlier))
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(earlier) + 1,) or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"weights must be {len(earlier) + 1} finite non-negative numbers with a positive sum")
+    parts = [np.asarray(e, dtype=np.float64) for e in earlier] + [np.asarray(final, dtype=np.float64)]
+    return sum(wi * x for wi, x in zip(w, parts)) / w.sum()
+
+
+def _step_of(p: Path) -> Optional[int]:
+    """The optimizer step a checkpoint was saved at: its recipe's `step`, a `checkpoint-<step>` name, or its
+    trainer_state.json."""
+    from ..training.recipe import read_recipe
+
+    try:
+        rec = read_recipe(p)
+    except Exception:  # a broken recipe only costs the weighting
+        rec = None
+    if rec is not None and rec.step:
+        return int(rec.step)
+    m = _STEP.match(Path(p).name)
+    if m and Path(p).name.startswith("checkpoint"):
+        return int(m.group(1))
+    st = _trainer_state(p)
+    return int(st["global_step"]) if st and st.get("global_step") else None
+
+
+def _trainer_state(p: Path) -> Optional[dict]:
+    f = Path(p) / "trainer_state.json"
+    try:
+        return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _rates_from_states(paths: Sequence[Path]) -> Optional[list[float]]:
+    """Per-step rates rebuilt from the most complete trainer_state.json log_history (rates logged every
+    `logging_steps`; each step takes the rate logged last at or before it, the first logged one before that)."""
+    best = None
+    for p in paths:
+        st = _trainer_state(p)
+        if st and (best is None or st.get("global_step", 0) > best.get("global_step", 0)):
+            best = st
+    if not best:
+        return None
+    logged = sorted((int(h["step"]), float(h["learning_rate"])) for h in best.get("log_history", [])
+                    if "learning_rate" in h and "step" in h)
+    total = int(best.get("max_steps") or best.get("global_step") or 0)
+    if not logged or total <= 0:
+        return None
+    out, j = [], 0
+    for s in range(1, total + 1):
+        while j + 1 < len(logged) and logged[j + 1][0] <= s:
+            j += 1
+        out.append(logged[j][1])
+    return out
+
+
+def checkpoint_weights(adapter_path: str, paths: Sequence[Path]) -> tuple[Optional[list[float]], str]:
+    """TracIn-CP weights of [earlier..., final]: the mean learning rate of the optimizer steps each checkpoint
+    stands for (those since the previous checkpoint), from the adapter's recipe (`learning_rates`: gradian train,
+    the TRL backend, GradianCallback) or else a Trainer's trainer_state.json; (None, why) when neither says."""
+    from ..training.recipe import read_recipe
+    from ..training.schedule import interval_means
+
+    try:
+        rec = read_recipe(adapter_path)
+    except Exception:
+        rec = None
+    steps = [_step_of(p) for p in paths]
+    final_step = (rec.step if rec is not None and rec.step else None) or _step_of(Path(adapter_path))
+    rates, source = None, ""
+    if rec is not None and rec.learning_rates:
+        rates, source = list(rec.learning_rates), f"the recorded rate of each step ({Path(adapter_path) / 'gradian_recipe.json'})"
+        final_step = final_step or len(rates)
+    else:
+        rates = _rates_from_states([Path(adapter_path), *paths])
+        source = "trainer_state.json log_history (rates logged every logging_steps)"
+        if rates is not None:
+            final_step = final_step or len(rates)
+    if rates is None or final_step is None or any(t is None for t in steps):
+        return None, "equal: no learning rates were recorded with these checkpoints"
+    order = steps + [final_step]
+    if sorted(order) != order:
+        return None, "equal: the checkpoints' steps are not in training order"
+    return interval_means(rates, order), source
 
 
 def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
@@ -214,8 +335,9 @@ def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
     if not paths:
         return None
     parts = checkpoint_scores(s, paths, qitems, settings)
-    sc.per_item = average(sc.per_item, [p for p, _ in parts])
-    sc.rank_item = average(sc.rank_item, [r for _, r in parts])
+    weights, weights_source = checkpoint_weights(s.adapter_path, paths)
+    sc.per_item = average(sc.per_item, [p for p, _ in parts], weights)
+    sc.rank_item = average(sc.rank_item, [r for _, r in parts], weights)
     sc.rank_agg = aggregate(sc.rank_item)
     sc.order = None
     s.timings["checkpoints"] = round(time.time() - t0, 3)
@@ -223,8 +345,14 @@ def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
               "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
     return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
             "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
-            "rule": "per-item scores averaged with equal weights over these checkpoints (TracIn-CP, constant "
-                    "learning rate); re-ranking, windows, spans and blame use the final adapter"}
+            "weights": weights, "weights_source": weights_source,
+            "rule": ("per-item scores averaged over these checkpoints, each weighted by the mean learning rate of "
+                     "the steps it stands for (those since the previous checkpoint; TracIn-CP)"
+                     if weights is not None and len(set(weights)) > 1 else
+                     "per-item scores averaged with equal weights over these checkpoints (TracIn-CP: "
+                     + ("every checkpoint stands for the same learning rate)" if weights is not None else
+                        "no learning rates were recorded)"))
+                    + "; re-ranking, windows, spans and blame use the final adapter"}
 
 
 def _is_saved(p: Path, adapter_path: str) -> bool:

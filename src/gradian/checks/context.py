@@ -24,6 +24,12 @@ _LABELS = {
 }
 
 
+def _location(cfg, value):
+    from ..setup.records import data_location
+
+    return data_location(cfg, value)
+
+
 def _owner(e: GradianError, default: str) -> str:
     return e.check or ("config.paths" if isinstance(e, ConfigError) else default)
 
@@ -63,12 +69,12 @@ class Context:
         """Reuse what `open_session` already loaded (data, tokenizer, model, sites)."""
         ctx = cls(s.cfg)
         m = ctx._memo
-        m["train_path"] = (s.cfg.path(s.cfg.data.train), None)
+        m["train_path"] = (_location(s.cfg, s.cfg.data.train), None)
         m["train_rows"] = ([(e.record, e.source) for e in s.examples], None)
         m["train_parse"] = ((s.examples, [], []), None)
         m["examples"] = (s.examples, None)
         if s.eval_items is not None:
-            m["eval_path"] = (s.cfg.path(s.cfg.data.eval), None)
+            m["eval_path"] = (_location(s.cfg, s.cfg.data.eval), None)
             m["eval_rows"] = ([({}, it.source) for it in s.eval_items], None)
             m["eval_parse"] = ((s.eval_items, None), None)
         m["tokenizer"] = (s.tokenizer, None)
@@ -102,11 +108,13 @@ class Context:
 
     # ------------------------------------------------------------------ paths and data
 
-    def _existing(self, key: str, value: Optional[str]) -> Optional[Path]:
+    def _existing(self, key: str, value: Optional[str]):
+        from ..setup.records import HubDataset, data_location
+
         if not value:
             return None
-        p = self.cfg.path(value)
-        if not p.exists():
+        p = data_location(self.cfg, value)
+        if not isinstance(p, HubDataset) and not p.exists():
             raise Unavailable("config.paths", f"{key}: {p} not found")
         return p
 

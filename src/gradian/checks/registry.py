@@ -24,7 +24,7 @@ ORDER = (
     "tokenizer.load_failed", "data.no_chat_template", "data.tokenize_failed", "data.no_supervised_tokens",
     "model.context_length", "model.load_failed", "model.not_causal_lm", "tokenizer.vocab_mismatch",
     "model.full_finetune", "adapter.unreadable", "adapter.not_lora", "adapter.task_type", "adapter.quantized",
-    "adapter.base_mismatch", "adapter.skipped_modules", "train.target_modules",
+    "adapter.base_mismatch", "adapter.skipped_modules", "train.target_modules", "train.not_converged",
     "evaluation.no_eval_set", "attribution.no_capability_target", "evaluation.small_eval_set",
     "evaluation.metric_loglik", "memory.logit_upcast", "index.size", "capture.dry_run",
 )

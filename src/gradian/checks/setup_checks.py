@@ -17,9 +17,18 @@ from .registry import Outcome, check, failed, passed
 def _config_paths(ctx) -> Outcome:
     cfg = ctx.cfg
     problems = []
+    from ..errors import DataError
+    from ..setup.records import HubDataset, data_location, location_fingerprint
+
     for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-        if value and not cfg.path(value).exists():
-            problems.append(f"{key}: {cfg.path(value)} not found")
+        loc = data_location(cfg, value)
+        if isinstance(loc, HubDataset):
+            try:
+                location_fingerprint(loc)
+            except DataError as e:
+                problems.append(f"{key}: {e}")
+        elif value and not loc.exists():
+            problems.append(f"{key}: {loc} not found")
     for key, value in (("model.base", cfg.model.base), ("model.adapter", cfg.model.adapter)):
         try:
             cfg.local_or_hub(value, key)

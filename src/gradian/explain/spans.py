@@ -49,10 +49,10 @@ def unit_ranges(ex: Example) -> list[tuple[int, int]]:
     """Sentence ranges of `ex.plain_text()`; for chat rows the sentences of each message's content (a turn never
     merges with the next, and the "role: " prefixes are no sentence)."""
     text = ex.plain_text()
-    if ex.shape != "messages":
+    if ex.messages() is None:
         return sentence_ranges(text)
     out, pos = [], 0
-    for m in ex.record["messages"]:
+    for m in ex.messages():
         pos += len(m["role"]) + 2
         out.extend(sentence_ranges(text, pos, pos + len(m["content"])))
         pos += len(m["content"]) + 1
@@ -62,7 +62,7 @@ def unit_ranges(ex: Example) -> list[tuple[int, int]]:
 def _rendered_to_plain(ex: Example, tok: Tokenized) -> Optional[np.ndarray]:
     """For each character of the rendered text, its plain-text character (or -1 when it is template text)."""
     rendered, plain = tok.text, ex.plain_text()
-    if ex.shape != "messages":
+    if ex.messages() is None:
         m = np.full(len(rendered), -1, dtype=np.int64)
         k = min(len(rendered), len(plain))
         if rendered[:k] == plain[:k]:
@@ -75,7 +75,7 @@ def _rendered_to_plain(ex: Example, tok: Tokenized) -> Optional[np.ndarray]:
         return m
     m = np.full(len(rendered), -1, dtype=np.int64)
     cur, ppos = 0, 0
-    for msg in ex.record["messages"]:
+    for msg in ex.messages():
         ppos += len(msg["role"]) + 2
         c = msg["content"]
         at = rendered.find(c, cur) if c else cur

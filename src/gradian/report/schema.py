@@ -141,6 +141,11 @@ class Checkpoints(_Model):
         description="Where the earlier checkpoints came from.")
     setting: Union[Literal["auto"], int] = Field(description="`attribution.checkpoints` as configured.")
     rule: str = Field(description="How the checkpoints' scores were combined.")
+    weights: Optional[list[float]] = _absent(
+        "TracIn-CP weight of each adapter (same order): the mean learning rate of the optimizer steps it stands for; "
+        "null when no rates were recorded (equal weights).")
+    weights_source: str = _absent("Where the learning rates came from (the recipe's per-step rates, a Trainer's "
+                                  "trainer_state.json), or why the weights are equal.")
 
 
 class Query(_Model):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from ..errors import DataError
 from ..io import content_hash
@@ -26,7 +27,7 @@ class Example:
 
     id: str
     position: int
-    shape: str  # "messages" | "prompt_completion" | "text"
+    shape: str  # "messages" | "prompt_completion" | "conversation_completion" (TRL's chat prompt/completion) | "text"
     record: dict
     source: str = ""  # "file:line" for messages that point back at the record
 
@@ -37,7 +38,18 @@ class Example:
             return "\n".join(f"{m['role']}: {m['content']}" for m in r["messages"])
         if self.shape == "prompt_completion":
             return r["prompt"] + r["completion"]
+        if self.shape == "conversation_completion":
+            return "\n".join(f"{m['role']}: {m['content']}" for m in r["prompt"] + r["completion"])
         return r["text"]
+
+    def messages(self) -> Optional[list[dict]]:
+        """The conversation of a chat record (a conversational prompt-completion is its prompt then its
+        completion turns), None for plain-text records."""
+        if self.shape == "messages":
+            return self.record["messages"]
+        if self.shape == "conversation_completion":
+            return self.record["prompt"] + self.record["completion"]
+        return None
 
 
 @dataclass
@@ -63,8 +75,66 @@ INVALID = "data.invalid_record"
 # ---------------------------------------------------------------- reading
 
 
-def read_records(path: Path) -> list[tuple[dict | Any, str]]:
-    """(record, "file:line") pairs from .jsonl, .json or a `datasets.save_to_disk` directory."""
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<split>[\w.-]+))?(?:@(?P<revision>[\w./-]+))?$")
+TABLE_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset id on the hub: `org/name`, optionally `:split` (default train) and `@revision` (branch, tag or
+    commit). Read through `huggingface_hub.snapshot_download` (the local hub cache when offline) and
+    `datasets.load_dataset` on that snapshot."""
+
+    repo: str
+    split: Optional[str] = None
+    revision: Optional[str] = None
+
+    @property
+    def text(self) -> str:
+        return self.repo + (f":{self.split}" if self.split else "") + (f"@{self.revision}" if self.revision else "")
+
+    @property
+    def name(self) -> str:
+        return self.text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+DataLocation = Union[Path, HubDataset]
+
+
+def data_location(cfg, value: Optional[str]) -> Optional[DataLocation]:
+    """data.train / data.eval resolved: a local file or directory relative to the config when one exists, else a
+    hub dataset id when the value has that shape (`org/name[:split][@revision]`), else the (missing) local path."""
+    if value is None:
+        return None
+    p = cfg.path(value)
+    if p.exists():
+        return p
+    m = HUB_ID.match(value)
+    first = Path(value).parts[0] if Path(value).parts else value
+    local_dir = cfg.root is not None and (Path(cfg.root) / first).exists()
+    if m and not value.startswith((".", "/", "~")) and not local_dir and Path(m.group("repo")).suffix.lower() not in (
+            ".jsonl", ".json", ".ndjson", ".parquet", ".csv"):
+        return HubDataset(m.group("repo"), m.group("split"), m.group("revision"))
+    return p
+
+
+def location_fingerprint(loc: Optional[DataLocation]) -> Optional[str]:
+    """What identifies a hub dataset's content for caches: its repo, split and the snapshot's commit (resolved
+    through the hub cache); None for a local file (its rows are keyed by content already)."""
+    if not isinstance(loc, HubDataset):
+        return None
+    return f"{loc.repo}:{loc.split or 'train'}@{_snapshot(loc)[1]}"
+
+
+def read_records(path: DataLocation) -> list[tuple[dict | Any, str]]:
+    """(record, "file:line") pairs from .jsonl, .json, .parquet, .csv, a `datasets.save_to_disk` directory or a
+    hub dataset id."""
+    if isinstance(path, HubDataset):
+        return _read_hub_dataset(path)
+    path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: file not found (check data.train / data.eval; relative paths resolve against the config file)",
                         check="config.paths")
@@ -74,6 +144,8 @@ def read_records(path: Path) -> list[tuple[dict | Any, str]]:
         raise DataError(f"{path}: is a directory but not a `datasets.save_to_disk` directory; give a .jsonl or .json file",
                         check=UNREADABLE)
     suffix = path.suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        return _read_table(path, TABLE_SUFFIXES[suffix])
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -94,7 +166,8 @@ def read_records(path: Path) -> list[tuple[dict | Any, str]]:
             raise DataError(f"{path}:1: expected a JSON list of records (or {{\"data\": [...]}}), got {type(data).__name__}", check=UNREADABLE)
         return [(rec, f"{path}:record {i + 1}") for i, rec in enumerate(data)]
     if suffix not in {".jsonl", ".ndjson"}:
-        raise DataError(f"{path}: unsupported file type '{suffix}'; use .jsonl, .json or a save_to_disk directory", check=UNREADABLE)
+        raise DataError(f"{path}: unsupported file type '{suffix}'; use .jsonl, .json, .parquet, .csv, a save_to_disk "
+                        "directory or a hub dataset id (org/name)", check=UNREADABLE)
     out = []
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
@@ -129,7 +202,101 @@ def _read_saved_dataset(path: Path) -> list[tuple[dict, str]]:
         if "train" not in ds:
             raise DataError(f"{path}: a DatasetDict without a 'train' split; save the split you mean with save_to_disk", check=UNREADABLE)
         ds = ds["train"]
-    return [(dict(rec), f"{path}:row {i + 1}") for i, rec in enumerate(ds)]
+    return _rows_of(ds, str(path))
+
+
+def _rows_of(ds, where: str) -> list[tuple[dict, str]]:
+    return [(_plain(dict(rec)), f"{where}:row {i + 1}") for i, rec in enumerate(ds)]
+
+
+def _plain(rec: dict) -> dict:
+    """A datasets row as JSON-like values: Arrow fills a missing struct field with None (e.g. the `tool_calls` of a
+    message that has none), which is dropped here so the record reads as it was written."""
+    def clean(v):
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return {k: clean(v) for k, v in rec.items()}
+
+
+def _read_table(path: Path, builder: str) -> list[tuple[dict, str]]:
+    """A .parquet or .csv file through `datasets.load_dataset` (the same reader TRL users load it with)."""
+    import datasets
+
+    try:
+        ds = _quiet_load(lambda: datasets.load_dataset(builder, data_files=str(path), split="train"))
+    except Exception as e:  # pyarrow and datasets raise many types for a broken file
+        raise DataError(f"{path}: cannot be read as {builder} ({type(e).__name__}: {_short(e)})", check=UNREADABLE) from None
+    return _rows_of(ds, str(path))
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    t = " ".join(str(e).split())
+    return t if len(t) <= limit else t[: limit - 1] + "…"
+
+
+def _quiet_load(fn):
+    import datasets
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return fn()
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+_SNAPSHOTS: dict[tuple[str, Optional[str]], tuple[str, str]] = {}
+
+
+def _snapshot(loc: HubDataset) -> tuple[str, str]:
+    """(local snapshot folder, commit) of a hub dataset: downloaded into the hub cache, or found there offline
+    (resolved once per process)."""
+    key = (loc.repo, loc.revision)
+    if key not in _SNAPSHOTS:
+        _SNAPSHOTS[key] = _fetch_snapshot(loc)
+    return _SNAPSHOTS[key]
+
+
+def _fetch_snapshot(loc: HubDataset) -> tuple[str, str]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    rev = f" at revision '{loc.revision}'" if loc.revision else ""
+    try:
+        folder = snapshot_download(loc.repo, repo_type="dataset", revision=loc.revision)
+    except RevisionNotFoundError:
+        raise DataError(f"dataset '{loc.text}': the hub repository '{loc.repo}' has no revision '{loc.revision}'; "
+                        "give an existing branch, tag or commit after '@'", check="config.paths") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"dataset '{loc.text}': no dataset '{loc.repo}' on the hub (or it is private: log in with "
+                        "`hf auth login`); check the id, or give a local file", check="config.paths") from None
+    except LocalEntryNotFoundError:
+        raise DataError(f"dataset '{loc.text}': '{loc.repo}'{rev} is not in the local hub cache and the hub cannot "
+                        "be reached (offline); download it once online, or give a local file", check="config.paths") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise DataError(f"dataset '{loc.text}': cannot be fetched from the hub ({_short(e)})", check="config.paths") from None
+    return folder, Path(folder).name
+
+
+def _read_hub_dataset(loc: HubDataset) -> list[tuple[dict, str]]:
+    import datasets
+
+    folder, commit = _snapshot(loc)
+    split = loc.split or "train"
+    try:
+        ds = _quiet_load(lambda: datasets.load_dataset(folder, split=split))
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise DataError(f"dataset '{loc.text}': no split '{split}' ({_short(e)}); name one of its splits after "
+                            "':'", check="config.paths") from None
+        raise DataError(f"dataset '{loc.text}': cannot be loaded ({_short(e)})", check=UNREADABLE) from None
+    except Exception as e:
+        raise DataError(f"dataset '{loc.text}': cannot be loaded ({type(e).__name__}: {_short(e)})", check=UNREADABLE) from None
+    return _rows_of(ds, f"{loc.repo}:{split}@{commit[:12]}")
 
 
 def _check_messages(msgs: Any, where: str, *, need_assistant: bool) -> list[dict]:
@@ -152,6 +319,18 @@ def train_shape(rec: Any, where: str) -> tuple[str, dict]:
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}", check=UNKNOWN_SHAPE)
     if "messages" in rec:
         return "messages", {"messages": _check_messages(rec["messages"], where, need_assistant=True)}
+    if isinstance(rec.get("prompt"), list) or isinstance(rec.get("completion"), list):
+        # TRL's conversational prompt-completion: the completion turns are supervised, rendered by the template.
+        for k in ("prompt", "completion"):
+            if not isinstance(rec.get(k), list):
+                raise DataError(f"{where}: '{k}' must be a list of {{role, content}} messages like the other field "
+                                "(TRL's conversational prompt-completion shape)", check=INVALID)
+        prompt = _check_messages(rec["prompt"], f"{where}: prompt", need_assistant=False)
+        completion = _check_messages(rec["completion"], f"{where}: completion", need_assistant=True)
+        if any(m["role"] != "assistant" for m in completion):
+            raise DataError(f"{where}: completion turns must be assistant messages (got roles "
+                            f"{[m['role'] for m in completion]})", check=INVALID)
+        return "conversation_completion", {"prompt": prompt, "completion": completion}
     if "prompt" in rec or "completion" in rec:
         for k in ("prompt", "completion"):
             if not isinstance(rec.get(k), str):
@@ -163,7 +342,8 @@ def train_shape(rec: Any, where: str) -> tuple[str, dict]:
         return "text", {"text": rec["text"]}
     keys = ", ".join(sorted(map(str, rec))) or "none"
     raise DataError(
-        f"{where}: unknown record shape (keys: {keys}); expected {{messages: [...]}}, {{prompt, completion}} or {{text}}",
+        f"{where}: unknown record shape (keys: {keys}); expected {{messages: [...]}}, {{prompt, completion}} (strings, "
+        "or TRL's lists of messages) or {{text}}",
         check=UNKNOWN_SHAPE,
     )
 
@@ -183,8 +363,8 @@ def parse_train(rows: Sequence[tuple[Any, str]]) -> tuple[list[Example], list[Da
     return out, errors
 
 
-def load_train(path: str | Path) -> list[Example]:
-    path = Path(path)
+def load_train(path: str | DataLocation) -> list[Example]:
+    path = path if isinstance(path, HubDataset) else Path(path)
     rows = read_records(path)
     if not rows:
         raise DataError(f"{path}: no records; the training set is empty", check="data.empty")
@@ -194,8 +374,8 @@ def load_train(path: str | Path) -> list[Example]:
     return examples
 
 
-def load_eval(path: str | Path) -> list[EvalItem]:
-    path = Path(path)
+def load_eval(path: str | DataLocation) -> list[EvalItem]:
+    path = path if isinstance(path, HubDataset) else Path(path)
     rows = read_records(path)
     if not rows:
         raise DataError(f"{path}: no records; the eval set is empty", check="data.empty")

@@ -18,7 +18,7 @@ from .model import (
     ADAPTER_NAME, LoraSite, add_adapter, adapter_ref, drop_adapter, load_model, load_tokenizer, lora_sites,
     no_sites_error, use_adapter,
 )
-from .records import EvalItem, Example, load_eval, load_train
+from .records import EvalItem, Example, data_location, load_eval, load_train
 from .tokenize import Tokenized, tokenize_example, uses_chat
 
 
@@ -83,8 +83,8 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
     configure_threads(cfg.model.threads)
     seed_everything(cfg.seed)
     t0 = time.time()
-    examples = load_train(cfg.path(cfg.data.train))
-    eval_items = load_eval(cfg.path(cfg.data.eval)) if (cfg.data.eval and need_eval) else None
+    examples = load_train(data_location(cfg, cfg.data.train))
+    eval_items = load_eval(data_location(cfg, cfg.data.eval)) if (cfg.data.eval and need_eval) else None
     tok = load_tokenizer(cfg)
     adapter = adapter_ref(cfg)
     model, sites, skipped = None, [], []

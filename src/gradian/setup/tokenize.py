@@ -129,10 +129,12 @@ def _render_or_explain(tokenizer, msgs: list[dict], where: str):
 def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
     flags: set[str] = set()
     eos = tokenizer.eos_token or ""
-    if ex.shape == "messages":
-        msgs = ex.record["messages"]
+    if ex.shape in ("messages", "conversation_completion"):
+        msgs = ex.messages()
         if has_chat_template(tokenizer):
             ids, mask, text, offsets = _render_or_explain(tokenizer, msgs, ex.source or ex.id)
+            if ex.shape == "conversation_completion":
+                mask = _completion_only(tokenizer, ex, ids, mask, text, offsets)
         else:
             flags.add("data.no_chat_template")
             text, ranges = _plain_messages(msgs)
@@ -157,7 +159,7 @@ def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
         if not has_chat_template(tokenizer):
             flags.add("data.no_chat_template")
     bos = getattr(tokenizer, "bos_token_id", None)
-    if ex.shape != "messages" and bos is not None and (not ids or ids[0] != bos) and getattr(tokenizer, "add_bos_token", True):
+    if ex.messages() is None and bos is not None and (not ids or ids[0] != bos) and getattr(tokenizer, "add_bos_token", True):
         ids = [bos] + ids
         mask = [False] + mask
         offsets = [(0, 0)] + offsets if offsets is not None else None
@@ -174,8 +176,27 @@ def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
     return tok
 
 
+def _completion_only(tokenizer, ex: Example, ids, mask, text, offsets) -> list[bool]:
+    """A conversational prompt-completion supervises its completion turns only, as TRL does: assistant turns
+    inside the prompt leave the mask. The completion starts where the prompt, rendered with the generation prompt,
+    ends (a single-turn record masks exactly as the same `messages` record)."""
+    prompt = ex.record["prompt"]
+    if not any(m["role"] == "assistant" for m in prompt):
+        return mask
+    import jinja2
+
+    try:
+        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise _template_failure(ex.source or ex.id, e) from None
+    if offsets is not None and text.startswith(head):
+        return [m and s >= len(head) for m, (s, _) in zip(mask, offsets)]
+    n_head = len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    return [m and i >= n_head for i, m in enumerate(mask)]
+
+
 def uses_chat(examples: Sequence[Example]) -> bool:
-    return any(e.shape == "messages" for e in examples)
+    return any(e.messages() is not None for e in examples)
 
 
 def eval_prompt_text(tokenizer, item: EvalItem, chat: bool) -> str:

@@ -91,6 +91,13 @@ def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adap
         "storage_dtype": g.storage_dtype,
         "max_seq_length": g.max_seq_length,
     }
+    # A hub dataset's rows are keyed by content like a file's; its repo, split and snapshot commit are added so that
+    # two revisions never share one index directory (a local file keeps the key it always had).
+    from ..setup.records import data_location, location_fingerprint
+
+    hub = location_fingerprint(data_location(cfg, cfg.data.train))
+    if hub is not None:
+        payload["data"] = hub
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -25,9 +25,10 @@ from ..progress import progress_bar
 from ..runtime import seed_everything
 from ..setup.batches import collate
 from ..setup.model import load_base, load_tokenizer
-from ..setup.records import dataset_fingerprint, load_train
+from ..setup.records import data_location, dataset_fingerprint, load_train
 from ..setup.tokenize import tokenize_example
 from .recipe import RECIPE_FILE, Recipe
+from .schedule import make_scheduler
 
 # Earlier epochs' adapters inside a `gradian train` output (attribution.checkpoints: auto reads them).
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -59,11 +60,12 @@ def train_adapter(
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
-    hp = recipe.hp if recipe else cfg.train.model_dump(exclude={"output"})
+    hp = recipe.hp if recipe else train_hyperparameters(cfg)
     seed = int(recipe.seed) if recipe else cfg.seed
+    stop_epoch = recipe.stop_epoch if recipe else None
     seed_everything(seed)
     tok = load_tokenizer(cfg)
-    examples = load_train(cfg.path(cfg.data.train))
+    examples = load_train(data_location(cfg, cfg.data.train))
     fp = dataset_fingerprint(examples)
     if recipe and recipe.dataset_fingerprint not in (None, fp):
         raise ModelError(
@@ -71,6 +73,9 @@ def train_adapter(
             f"(fingerprint {fp} vs {recipe.dataset_fingerprint}); verify needs the original data"
         )
     toks = [tokenize_example(tok, e, hp["max_seq_length"]) for e in examples]
+    if hp.get("loss", "supervised") == "all":  # every token a target (but the first, which nothing predicts)
+        for t in toks:
+            t.supervised = [i > 0 for i in range(len(t.input_ids))]
     excluded = set(int(p) for p in exclude)
     base = load_base(cfg)
     torch.manual_seed(seed)  # LoRA A init
@@ -86,12 +91,21 @@ def train_adapter(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
     order = data_order(len(examples), hp["epochs"], hp["batch_size"], seed)
+    accum = int(hp.get("gradient_accumulation_steps") or 1)
+    groups = [[ep[i : i + accum] for i in range(0, len(ep), accum)] for ep in order]  # optimizer steps per epoch
+    total_steps = sum(len(g) for g in groups)
+    sched_name, warmup = hp.get("lr_scheduler") or "constant", int(hp.get("warmup_steps") or 0)
+    # A constant rate steps no scheduler at all: the runs recorded before schedules existed stay bit-identical.
+    sched = None if (sched_name == "constant" and warmup == 0) else make_scheduler(
+        opt, sched_name, warmup_steps=warmup, total_steps=total_steps)
+    rates: list[float] = []
+    curve: list[list[float]] = []
     pad = tok.pad_token_id
     device = next(model.parameters()).device
-    n_steps = sum(len(ep) for ep in order)
+    n_steps = sum(len(ep) for ep in order[:stop_epoch] if ep) if stop_epoch else sum(len(ep) for ep in order)
     gen = torch.Generator().manual_seed(seed)
     save_at = sorted(set(int(k) for k in checkpoint_epochs))
-    if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > hp["epochs"]):
+    if save_at and (checkpoint_dir is None or save_at[0] < 1 or save_at[-1] > (stop_epoch or hp["epochs"])):
         raise ValueError(f"checkpoint_epochs {save_at}: need a checkpoint_dir and epochs within 1..{hp['epochs']}")
     if save_checkpoints is None:
         save_checkpoints = recipe is None and cfg.train.save_checkpoints
@@ -105,13 +119,22 @@ def train_adapter(
     base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
 
     def record(epochs: int) -> Recipe:
+        scheduled = sched is not None and sched_name != "constant"
+        stop = epochs if scheduled and epochs < hp["epochs"] else stop_epoch
         return Recipe.model_validate({
             "schema": "gradian.recipe/1",
             "backend": "hf",
             "seed": seed,
-            "hyperparameters": {**hp, "epochs": epochs},
-            "schedule": "constant learning rate, AdamW, token-weighted mean over each batch's supervised tokens",
-            "data": str(cfg.path(cfg.data.train)),
+            "hyperparameters": {**hp, "epochs": hp["epochs"] if scheduled else epochs},
+            "schedule": (f"{sched_name} learning rate" + (f" after {warmup} warm-up steps" if warmup else "")
+                         + ", AdamW, token-weighted mean over each step's supervised tokens"),
+            "total_steps": total_steps,
+            "step": len(rates),
+            "learning_rates": list(rates),
+            "loss_curve": [list(c) for c in curve],
+            "checkpoints": [dict(c) for c in saved],
+            **({"stop_epoch": stop} if stop else {}),
+            "data": str(data_location(cfg, cfg.data.train)),
             "dataset_fingerprint": fp,
             "n_examples": len(examples),
             "excluded_positions": sorted(excluded),
@@ -122,40 +145,67 @@ def train_adapter(
             "train_seconds": round(time.time() - t0, 2),
         })
 
+    saved: list[dict] = []
+    last_epoch = stop_epoch or hp["epochs"]
     with progress_bar("train", total=n_steps if progress else 0, unit="steps") as bar:
-        for e_no, epoch in enumerate(order, start=1):
-            for batch in epoch:
-                ids, attn, sup = collate([toks[i] for i in batch], pad)
-                weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
-                n_tok = float((sup[:, 1:].sum(1).float() * weights).sum())
-                # Dropout masks drawn from our own generator keep replays identical when dropout is on. The seed
-                # is drawn before a fully excluded batch is skipped, so later steps keep their masks.
-                step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
-                if n_tok == 0:
-                    bar.advance()
+        for e_no, epoch in enumerate(groups, start=1):
+            if e_no > last_epoch:
+                break
+            for group in epoch:
+                packed = []
+                for batch in group:
+                    ids, attn, sup = collate([toks[i] for i in batch], pad)
+                    weights = torch.tensor([0.0 if i in excluded else 1.0 for i in batch])
+                    # Dropout masks drawn from our own generator keep replays identical when dropout is on. The
+                    # seed is drawn before a fully excluded batch is skipped, so later steps keep their masks.
+                    step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+                    packed.append((ids, attn, sup, weights, step_seed))
+                # The loss of a step is the token-weighted mean over every supervised token of its batches (with
+                # gradient accumulation too, as transformers' Trainer does with num_items_in_batch).
+                n_tok = sum(float((sup[:, 1:].sum(1).float() * w).sum()) for _, _, sup, w, _ in packed)
+                rates.append(float(opt.param_groups[0]["lr"]))
+                if n_tok == 0:  # every row of the step excluded: no update, the schedule still moves on
+                    bar.advance(len(group))
+                    if sched is not None:
+                        sched.step()
                     continue
-                torch.manual_seed(step_seed)
-                losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
-                loss = (losses * weights.to(device)).sum() / n_tok
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                total = 0.0
+                for ids, attn, sup, weights, step_seed in packed:
+                    if float((sup[:, 1:].sum(1).float() * weights).sum()) == 0 and len(packed) > 1:
+                        continue
+                    torch.manual_seed(step_seed)
+                    losses = per_example_loss(model, ids.to(device), attn.to(device), sup.to(device))
+                    loss = (losses * weights.to(device)).sum() / n_tok
+                    loss.backward()
+                    total += float(loss.detach())
                 if hp.get("max_grad_norm"):
                     torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
                 opt.step()
-                bar.advance()
-            if e_no in save_at and e_no < hp["epochs"]:
+                if sched is not None:
+                    sched.step()
+                curve.append([len(rates), total])
+                bar.advance(len(group))
+            if e_no in save_at and e_no < last_epoch:
+                saved.append({"name": f"epoch-{e_no}", "epoch": e_no, "step": len(rates),
+                              "learning_rate": rates[-1] if rates else None})
                 model.eval()
                 save_adapter(model, Path(checkpoint_dir) / f"epoch-{e_no}", record(e_no))
                 model.train()
     model.eval()
     try:
-        save_adapter(model, out_dir, record(hp["epochs"]), checkpoints=staging)
+        save_adapter(model, out_dir, record(last_epoch if stop_epoch else hp["epochs"]), checkpoints=staging)
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-    if save_at and save_at[-1] == hp["epochs"] and staging is None:
-        save_adapter(model, Path(checkpoint_dir) / f"epoch-{hp['epochs']}", record(hp["epochs"]))
+    if save_at and save_at[-1] == last_epoch and staging is None:
+        save_adapter(model, Path(checkpoint_dir) / f"epoch-{last_epoch}", record(last_epoch))
     return out_dir
+
+
+def train_hyperparameters(cfg: Config) -> dict:
+    """The `train.*` recipe keys of the config (not where to write it or which backend runs it)."""
+    return cfg.train.model_dump(exclude={"output", "backend", "command", "command_timeout"})
 
 
 def save_adapter(model, out_dir: Path, recipe: Recipe, *, checkpoints: Optional[Path] = None) -> Path:

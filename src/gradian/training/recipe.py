@@ -50,6 +50,10 @@ class Hyperparameters(BaseModel):
     weight_decay: float = 0.0
     max_grad_norm: Optional[float] = None
     max_seq_length: int = 512
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    gradient_accumulation_steps: int = 1
+    loss: str = "supervised"
 
 
 class Recipe(BaseModel):
@@ -71,6 +75,21 @@ class Recipe(BaseModel):
     base: Optional[str] = None
     base_fingerprint: Optional[str] = None
     train_seconds: Optional[float] = None
+    # The run's optimizer steps: the rate of each (index s-1 for step s), the loss curve [[step, loss], ...] and
+    # the checkpoints saved along the way [{name, step, epoch, learning_rate}]; `step` is where this adapter was saved.
+    total_steps: Optional[int] = None
+    step: Optional[int] = None
+    learning_rates: Optional[list[float]] = None
+    loss_curve: Optional[list[list[float]]] = None
+    checkpoints: Optional[list[dict]] = None
+    # A checkpoint of a scheduled run: the full run's recipe, stopped after this epoch (the schedule spans them all).
+    stop_epoch: Optional[int] = None
+    # TRL / HF Trainer runs (GradianCallback): the training arguments that matter, the LoRA weights before the first
+    # step (a file beside the recipe) and a fingerprint of the tokenized training set the Trainer iterated.
+    trainer_args: Optional[dict[str, Any]] = None
+    lora_config: Optional[dict[str, Any]] = None
+    init_adapter: Optional[str] = None
+    tokenized_fingerprint: Optional[str] = None
 
     @property
     def hp(self) -> dict[str, Any]:
@@ -81,6 +100,14 @@ class Recipe(BaseModel):
         """The same recipe trained for `epochs` (a checkpoint's recipe), nothing excluded."""
         return self.model_copy(update={"hyperparameters": self.hyperparameters.model_copy(update={"epochs": epochs}),
                                        "excluded_positions": []}, deep=True)
+
+    def up_to_epoch(self, epoch: int) -> "Recipe":
+        """The recipe of the run's adapter after `epoch`, nothing excluded: a constant rate makes that a shorter
+        run (`with_epochs`); a schedule spans the whole run, so it is the full recipe stopped after that epoch."""
+        hp = self.hyperparameters
+        if hp.lr_scheduler == "constant" or epoch >= hp.epochs:
+            return self.with_epochs(epoch)
+        return self.model_copy(update={"stop_epoch": int(epoch), "excluded_positions": []}, deep=True)
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_unset=True), indent=2)

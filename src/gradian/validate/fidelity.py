@@ -46,8 +46,7 @@ from ..attribution.scoring import direction_sign, rank
 from ..config import Config
 from ..errors import VerifyError
 from ..io import atomic_write_text
-from ..training.recipe import load_recipe
-from .retrain import adapters_equal, retrain
+from .retrain import adapters_equal, retrain, retrain_recipe
 from .verify import read_report
 
 SCHEMA = "gradian.fidelity/1"
@@ -192,7 +191,7 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
 
     t_all = time.time()
     report = read_report(cfg, "check")
-    recipe, recipe_path = load_recipe(cfg)
+    recipe, recipe_path = retrain_recipe(cfg)
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
     precs = preconditioners or [cfg.attribution.preconditioner]
     import typing
@@ -237,7 +236,8 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
             progress_bar("fidelity retrains", total=len(jobs), unit="retrains") as bar:
         for name, excl in jobs:
             t0 = time.time()
-            path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False)
+            path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False,
+                           log_path=cfg.output_dir / "fidelity.train.log" if cfg.train.command else None, label=name)
             t1 = time.time()
             if name == "reference":
                 ref_equal = adapters_equal(path, user_adapter)

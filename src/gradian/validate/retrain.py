@@ -1,13 +1,14 @@
 """Retraining for `verify` and `fidelity`: the recipe's training run without some rows, and its capability.
 
-Removal is by zero-weighting in place (`training.loop.train_adapter`): the data order is a function of (n, epochs,
-batch size, seed) only, so every remaining row keeps its batch and its step.
+Removal is in place for gradian's loop (zero-weighted, `training.loop.train_adapter`) and TRL (labels -100,
+`training.trl`): the data order does not depend on what is removed, so every remaining row keeps its batch and its
+step. A `train.command` gets the kept rows as a file and orders them itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..config import Config
 from ..errors import VerifyError
@@ -26,18 +27,42 @@ def adapters_equal(a: Path, b: Path) -> bool:
     return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
-def retrain(cfg: Config, recipe: Recipe, exclude: Sequence[int], out_dir: Path, user_adapter: Path, *,
-            progress: bool = True) -> Path:
+def retrain_recipe(cfg: Config) -> tuple[Optional[Recipe], str]:
+    """(the recipe retrains start from, where it is). A `train.command` is its own recipe (None); every other
+    backend retrains from the recipe beside model.adapter (`load_recipe`: gradian train's, the TRL backend's or the
+    one GradianCallback recorded)."""
+    from ..training.recipe import load_recipe
+
+    if cfg.train.command:
+        return None, f"train.command: {cfg.train.command}"
+    recipe, path = load_recipe(cfg)
+    return recipe, str(path)
+
+
+def removal_text(cfg: Config, recipe: Optional[Recipe]) -> str:
+    from ..training.backends import IN_PLACE, backend_for
+
+    b = backend_for(cfg, recipe)
+    if IN_PLACE[b]:
+        how = "labels set to -100 in the collator" if b in ("trl", "unsloth") else "zero-weighted in the loss"
+        return f"{b} backend: removed rows {how}, in place: other rows keep their batches and steps"
+    return ("train.command: removed rows left out of the {train} file; the script orders and batches the rest itself, "
+            "so the random controls are retrained the same way and compared like for like")
+
+
+def retrain(cfg: Config, recipe: Optional[Recipe], exclude: Sequence[int], out_dir: Path, user_adapter: Path, *,
+            progress: bool = True, log_path: Optional[Path] = None, label: str = "retrain") -> Path:
     """The recipe's adapter trained again without the rows at `exclude`, written to `out_dir` (never into or
-    around the user's adapter)."""
-    from ..training.loop import train_adapter
+    around the user's adapter), through the backend `training.backends.backend_for` picks."""
+    from ..training.backends import init_file_of, run_training
 
     out_dir = Path(out_dir)
     ua = Path(user_adapter).resolve()
     od = out_dir.resolve()
     if od == ua or ua in od.parents or od in ua.parents:
         raise VerifyError(f"{out_dir}: refusing to retrain into or around the user's adapter {user_adapter}")
-    return train_adapter(cfg, exclude=list(exclude), out_dir=out_dir, recipe=recipe, progress=progress)
+    return run_training(cfg, recipe=recipe, exclude=list(exclude), out_dir=out_dir, progress=progress,
+                        init_file=init_file_of(recipe, user_adapter), log_path=log_path, label=label)
 
 
 def measure_adapter(cfg: Config, adapter: Path, s) -> tuple[list[float], list[str]]:

@@ -51,8 +51,8 @@ from ..capability.metrics import paired_bootstrap
 from ..config import Config
 from ..errors import VerifyError
 from ..io import atomic_write_text
-from ..training.recipe import load_recipe
-from .retrain import adapters_equal, measure_adapter, retrain
+from ..training.backends import backend_for
+from .retrain import adapters_equal, measure_adapter, removal_text, retrain, retrain_recipe
 
 SCHEMA = "gradian.verify/1"
 RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_excludes_zero": True}
@@ -214,7 +214,7 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
     t_all = time.time()
     configure_threads(cfg.model.threads)
     report = read_report(cfg, "verify")
-    recipe, recipe_path = load_recipe(cfg)
+    recipe, recipe_path = retrain_recipe(cfg)
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
     if not cfg.data.eval:
         raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
@@ -244,6 +244,9 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
 
     work = cfg.output_dir / "verify"
     work.mkdir(parents=True, exist_ok=True)
+    log_path = cfg.output_dir / "verify.train.log" if cfg.train.command else None
+    if log_path is not None:
+        log_path.unlink(missing_ok=True)  # this run's log only
     jobs = ([("reference", [])] if reference else []) + [("accused", accused)] + \
            [(f"control-{i + 1}", s) for i, s in enumerate(ctl_sets)]
     say = console.print if console is not None else (lambda *a, **kw: None)
@@ -256,7 +259,7 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
                                                          else f"minus {k} random rows")
             say(f"[bold]retrain {j}/{len(jobs)}[/] {name}: {what}")
             t0 = time.time()
-            path = retrain(cfg, recipe, excl, work / name, user_adapter)
+            path = retrain(cfg, recipe, excl, work / name, user_adapter, log_path=log_path, label=name)
             t1 = time.time()
             sc, gen = measure_adapter(cfg, path, ctx)
             measured[name] = {"path": path, "scores": sc, "generated": gen, "excluded": list(excl),
@@ -314,7 +317,9 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
         "reason": reason,
         "rule": dict(RULE),
         "recipe": str(recipe_path),
-        "removal": "zero-weighted in place: other rows keep their batches and steps",
+        "backend": backend_for(cfg, recipe),
+        "removal": removal_text(cfg, recipe),
+        **({"train_log": str(log_path)} if log_path is not None else {}),
         "adapters": str(work) if keep_adapters else None,
         "timings": {**timings, "total": round(time.time() - t_all, 2)},
     }
