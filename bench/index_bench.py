@@ -501,7 +501,7 @@ def scoring_throughput(work: Path, mb: int, dim: int, queries: int, dtype: str) 
 # twice the body at hidden 256). The world's BPE stops at about 1,000 entries (no pair occurs twice beyond that).
 MID_SPEC = dict(hidden_size=256, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=1024, epochs=12,
                 max_position=256)
-MID_WIDTHS = [1024, 2048, 4096, 8192]
+MID_WIDTHS = [256, 512, 1024, 2048, 4096, 8192]
 MID_LORA = {"lora_r": 16, "lora_alpha": 32.0}
 
 

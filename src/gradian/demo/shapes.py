@@ -32,7 +32,7 @@ import torch
 from .tiny import CHAT_TEMPLATE, PAD, BOS, EOT, SPECIAL_TOKENS, cache_root
 from .world import World
 
-SHAPES_CODE_VERSION = "shapes-1"
+SHAPES_CODE_VERSION = "shapes-2"
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -214,6 +214,16 @@ def build_shape_base(spec: ShapeSpec, cache_dir: Optional[Path] = None) -> Path:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
+            # A random model's greedy pick is often one token for every prompt; if that is a special token (an
+            # end of turn) or white space, every answer is empty. Zero rows give those tokens logit 0, below the
+            # largest of the random logits of the ordinary ones, so the base answers something.
+            blank = [i for t, i in tok.get_vocab().items()
+                     if not t.startswith("<extra_") and not tok.decode([i]).strip()]
+            special = sorted(set(tok.all_special_ids) | set(blank) | {tok.convert_tokens_to_ids(t) for t in
+                                                                      FAMILY_TOKENS.get(spec.family, ())})
+            with torch.no_grad():
+                for emb in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+                    emb.weight[special] = 0.0
             model.generation_config.eos_token_id = tok.eos_token_id
             model.generation_config.pad_token_id = tok.pad_token_id
             model.generation_config.do_sample = False
