@@ -43,7 +43,8 @@ def shapes(smoke: bool):
         return [SMOLLM_135M, QWEN25_05B_WIDTH, dataclasses.replace(LLAMA32_1B, dtype="bfloat16")]
     # the same families and code paths, small enough for a CPU in a few minutes
     return [ShapeSpec("smoke-llama", "llama", 128, 384, 4, 4, 2, 8192, True, max_position=2048),
-            ShapeSpec("smoke-qwen2", "qwen2", 128, 512, 2, 4, 2, 16384, True, max_position=2048)]
+            # seed 3: with seeds 0-2 this random model's greedy answer is white space for every prompt
+            ShapeSpec("smoke-qwen2", "qwen2", 128, 512, 2, 4, 2, 16384, True, max_position=2048, seed=3)]
 
 
 # ------------------------------------------------------------------------------------------------ children

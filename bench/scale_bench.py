@@ -4,6 +4,7 @@
     .venv/bin/python bench/scale_bench.py fixtures --quick      # the 135M shape, defaults and nf4 only
     .venv/bin/python bench/scale_bench.py rows --rows 20000,100000
     .venv/bin/python bench/scale_bench.py estimates             # meta-device shapes, no weights (seconds)
+    .venv/bin/python bench/scale_bench.py quant                 # nf4/int8 capture vs the naive reference
 
 * **fixtures**: the SmolLM-135M and Qwen2.5-0.5B-width shapes (`gradian.demo.shapes`; random weights, LoRA r 16 on
   all 7 projections, built locally and cached) run end to end with the defaults, with `grads.projection_dim: 8192`,
@@ -289,12 +290,75 @@ def estimates(rows: int = 10_000, batch: int = 8, seq: int = 512, queries: int =
     return out
 
 
+# ------------------------------------------------------------------------------------------------ quantized
+
+
+def quantized_reference(work: Path) -> dict:
+    """NF4 (and int8) capture against the naive one-example-per-backward reference through the same quantized model
+    (a 2-layer Llama of hidden 64, LoRA r 4 on all 7 projections, random B), per site: the worst relative error."""
+    import torch
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gradian.config import config_from_dict
+    from gradian.demo.shapes import lora_config
+    from gradian.grads.capture import GradientCapture
+    from gradian.grads.objectives import naive_per_example_loss
+    from gradian.setup.model import load_model, lora_sites
+
+    d = work / "quant"
+    base, adapter = d / "base", d / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(base)
+        from transformers import AutoModelForCausalLM
+
+        m = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora_config(4))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        m.save_pretrained(adapter)
+    g = torch.Generator().manual_seed(1)
+    lengths = [12, 7, 15, 9]
+    T = max(lengths)
+    ids = torch.zeros(4, T, dtype=torch.long)
+    attn = torch.zeros(4, T, dtype=torch.long)
+    sup = torch.zeros(4, T, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, 256, (n,), generator=g)
+        attn[i, :n] = 1
+        sup[i, n // 3 : n] = True
+    out = {}
+    for q in ("nf4", "int8"):
+        model = load_model(config_from_dict({"model": {"base": str(base), "adapter": str(adapter), "device": "cpu",
+                                                       "quantization": q}, "data": {"train": "t"}}))
+        sites, _ = lora_sites(model)
+        vecs, _ = GradientCapture(model, sites).vectors(ids, attn, sup)
+        ref = []
+        for i, n in enumerate(lengths):
+            model.zero_grad(set_to_none=True)
+            naive_per_example_loss(model(input_ids=ids[i : i + 1, :n]).logits, ids[i : i + 1, :n],
+                                   sup[i : i + 1, :n]).sum().backward()
+            ref.append(torch.cat([torch.cat([s.A.weight.grad.flatten(), s.B.weight.grad.flatten()]) for s in sites]))
+        ref = torch.stack(ref)
+        worst, off = 0.0, 0
+        for s in sites:
+            a, b = vecs[:, off : off + s.numel], ref[:, off : off + s.numel]
+            worst = max(worst, float((a - b).norm() / b.norm()))
+            off += s.numel
+        out[q] = {"sites": len(sites), "worst_site_rel_error": worst, "target": 1e-4, "ok": worst < 1e-4,
+                  "base_layer": type(model.get_base_model().model.layers[0].self_attn.q_proj.base_layer).__name__}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="*", default=["fixtures", "rows", "estimates"])
+    ap.add_argument("what", nargs="*", default=["fixtures", "rows", "quant", "estimates"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="fixture labels (comma list of prefixes) to run")
     ap.add_argument("--rows", default="20000,100000", help="row counts of the rows scaling")
@@ -375,6 +439,13 @@ def main() -> int:
                               [[c["rows"], c["index_build_cpu_s"],
                                 max(c["after_index_cpu_s"].items(), key=lambda kv: kv[1]),
                                 c["every_stage_after_index_cheaper"]] for c in checks]))
+    if "quant" in args.what:
+        q = quantized_reference(work)
+        out["quantized_reference"] = q
+        text.append(table("quantized capture vs the naive one-example-per-backward reference, same quantized model",
+                          ["quantization", "base layer", "sites", "worst site rel. error", "< 1e-4"],
+                          [[k, v["base_layer"], v["sites"], f"{v['worst_site_rel_error']:.2e}", v["ok"]]
+                           for k, v in q.items()]))
     if "estimates" in args.what:
         est = estimates()
         out["estimates"] = est

@@ -32,7 +32,7 @@ import torch
 from .tiny import CHAT_TEMPLATE, PAD, BOS, EOT, SPECIAL_TOKENS, cache_root
 from .world import World
 
-SHAPES_CODE_VERSION = "shapes-2"
+SHAPES_CODE_VERSION = "shapes-1"
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -214,16 +214,6 @@ def build_shape_base(spec: ShapeSpec, cache_dir: Optional[Path] = None) -> Path:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.seed)
                 model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
-            # A random model's greedy pick is often one token for every prompt; if that is a special token (an
-            # end of turn) or white space, every answer is empty. Zero rows give those tokens logit 0, below the
-            # largest of the random logits of the ordinary ones, so the base answers something.
-            blank = [i for t, i in tok.get_vocab().items()
-                     if not t.startswith("<extra_") and not tok.decode([i]).strip()]
-            special = sorted(set(tok.all_special_ids) | set(blank) | {tok.convert_tokens_to_ids(t) for t in
-                                                                      FAMILY_TOKENS.get(spec.family, ())})
-            with torch.no_grad():
-                for emb in {id(e): e for e in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
-                    emb.weight[special] = 0.0
             model.generation_config.eos_token_id = tok.eos_token_id
             model.generation_config.pad_token_id = tok.pad_token_id
             model.generation_config.do_sample = False
@@ -315,6 +305,10 @@ def shape_run(spec: ShapeSpec, run: RunSpec = RunSpec(), cache_dir: Optional[Pat
         kw = dict(chat=True, max_new_tokens=run.max_new_tokens, batch_size=16)
         with model.disable_adapter():
             base_ans = generate_answers(model, tok, items, desc="shape base answers", **kw)
+        if sum(bool(b.strip()) for b in base_ans) < run.items:
+            # a random model's greedy pick is often one token for every prompt: white space or an end of turn here
+            raise RuntimeError(f"the base answers only {sum(bool(b.strip()) for b in base_ans)} of {len(items)} "
+                               f"questions with text; build the shape with another ShapeSpec.seed (now {spec.seed})")
         # A small or low-precision model may need a larger B before the adapter changes its greedy answers: the
         # scale grows by 4x per attempt (each a seeded draw), the first that changes enough answers is kept.
         for attempt, mult in enumerate((1, 4, 16, 64)):
