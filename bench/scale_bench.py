@@ -84,6 +84,11 @@ def child(spec: dict) -> dict:
         cfg_path = Path(spec["config"])
         model_bytes = sum(f.stat().st_size for f in Path(spec["base"]).glob("*.safetensors"))
     cfg = api.load_config(cfg_path, spec.get("sets", []))
+    import shutil
+
+    shutil.rmtree(cfg.output_dir, ignore_errors=True)  # a fresh index every run: a reused one measures nothing
+    if cfg.grads.cache_dir:
+        shutil.rmtree(cfg.index_dir, ignore_errors=True)
     probe = StageProbe()
     probe.cuda = spec.get("device", "cpu").startswith("cuda")
     probe.install()
@@ -104,7 +109,8 @@ def child(spec: dict) -> dict:
            "bytes_per_row": round(ix["bytes"] / n, 1) if n else None,
            "index_cpu_s_per_row": round(idx.get("cpu_s", 0) / n, 4) if n else None,
            "index_build_cpu_s": round(idx.get("cpu_s", 0) - fit.get("cpu_s", 0), 3),
-           "fidelity": (ix.get("fidelity") or {}).get("reranked"), "stages": stages,
+           "built_rows": ix.get("built_rows"), "fidelity": (ix.get("fidelity") or {}).get("reranked"),
+           "stages": stages,
            "metrics": rep.get("metrics"), "clusters_info": rep.get("clusters_info")}
     if probe.cuda:
         out["gpu_peak_mb"] = max((r.get("gpu_peak_mb") or 0) for r in stages)

@@ -62,8 +62,11 @@ def order_scores(order: np.ndarray) -> np.ndarray:
 def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_widths, exact_widths,
                      direction: str) -> tuple[ExactPart, Optional[np.ndarray]]:
     """(e, r or None): a candidate's exact score is <e_k, g_exact> (+ <r_k, P(g)>). `exact_queries(ks)` gives the
-    exact query gradients of items ks (float32 [len(ks), D_exact]); e is produced from it block by block
-    (`attribution.directions.ExactPart`), r [Q, dim] is in index space."""
+    exact query gradients of items ks (float32 [len(ks), D_exact]; an in-memory [Q, D_exact] array also serves);
+    e is produced from it block by block (`attribution.directions.ExactPart`), r [Q, dim] is in index space."""
+    if not callable(exact_queries):
+        arr = np.asarray(exact_queries, dtype=np.float32)
+        exact_queries = lambda ks: arr[list(ks)]  # noqa: E731
     pre = sc.precond
     Q = q_index.shape[0]
     if pre.kind == "identity":
