@@ -129,6 +129,8 @@ def index(config: Path, set: Optional[List[str]] = SetOpt):
         out.print(f"  rows {info.examples} (built {info.built}, reused {info.reused}), dim {info.dim}, "
                   f"dtype {info.storage_dtype}, {info.bytes / 2**20:.2f} MiB, "
                   f"projection {proj['kind'] + ' ' + str(proj['dim']) if proj else 'none (exact)'}")
+        if info.choice is not None:
+            out.print(f"  {info.choice.reason}", highlight=False)
 
     _run(body)
 

@@ -22,6 +22,8 @@ class ModelConfig(_Section):
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
+    # Load the base through bitsandbytes (QLoRA): nf4 (4-bit NormalFloat) or int8 (LLM.int8); needs gradian[quant].
+    quantization: Literal["none", "nf4", "int8"] = "none"
     threads: Optional[int] = Field(default=None, ge=1)
 
     @field_validator("device")
@@ -40,7 +42,9 @@ class DataConfig(_Section):
 class GradsConfig(_Section):
     module_filter: Optional[list[str]] = None
     storage_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    projection_dim: Optional[int] = Field(default=None, ge=1)
+    # auto: exact gradients when the exact index is small (`projection.auto`), else a data-aware projection with
+    # exact re-ranking; an int: that width; null: exact gradients whatever their size.
+    projection_dim: Union[Literal["auto"], Annotated[int, Field(ge=1)], None] = "auto"
     projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "data-aware"
     projection_seed: int = 0
     # Rows a data-aware basis is fitted on (2 exact capture passes over them before the build): more rows cost more

@@ -48,3 +48,8 @@ class VerifyError(GradianError):
 class TrainingError(GradianError):
     """A training backend cannot run or failed (a missing extra, no GPU for unsloth, a train.command that failed,
     timed out or wrote no adapter); the message names the backend, the setting and the log."""
+
+
+class ResourceError(GradianError):
+    """Memory ran out (a CPU `MemoryError`, CUDA out of memory) in a stage; the message names the stage and the
+    setting to lower. Nothing half written is left: every output is written atomically, after its stage."""

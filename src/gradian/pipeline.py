@@ -29,6 +29,7 @@ from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
 from .explain.spans import spans_for, window_char_range
 from .io import atomic_save_npy, atomic_write_text
+from .memory import memory_guard
 from .report.build import SCHEMA, capability_json, preview, score_summary, verdict_text, write_report
 from .setup.session import Session, open_session
 from .store.build import OpenIndex, open_index
@@ -44,11 +45,12 @@ def evaluate(s: Session) -> CapabilityResult:
                          check="evaluation.no_eval_set")
     c, e = s.cfg, s.cfg.evaluation
     t0 = time.time()
-    res = measure_capability(
-        s.model, s.tokenizer, s.eval_items, metric=e.metric, chat=s.chat, max_new_tokens=e.max_new_tokens,
-        batch_size=e.batch_size, max_len=c.grads.max_seq_length, samples=e.bootstrap_samples, confidence=e.confidence,
-        seed=c.seed,
-    )
+    with memory_guard("evaluate"):
+        res = measure_capability(
+            s.model, s.tokenizer, s.eval_items, metric=e.metric, chat=s.chat, max_new_tokens=e.max_new_tokens,
+            batch_size=e.batch_size, max_len=c.grads.max_seq_length, samples=e.bootstrap_samples,
+            confidence=e.confidence, seed=c.seed,
+        )
     s.timings["evaluate"] = round(time.time() - t0, 3)
     return res
 
@@ -56,7 +58,8 @@ def evaluate(s: Session) -> CapabilityResult:
 def index_stage(s: Session) -> OpenIndex:
     """Build or reuse the gradient index of the training set."""
     t0 = time.time()
-    ix = open_index(s.cfg, s.model, s.sites, s.toks, s.adapter_path, s.pad_id)
+    with memory_guard("index"):
+        ix = open_index(s.cfg, s.model, s.sites, s.toks, s.adapter_path, s.pad_id)
     s.timings["index"] = round(time.time() - t0, 3)
     n_empty = sum(1 for t in s.toks if t.n_supervised == 0)
     if n_empty:
@@ -127,7 +130,8 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     from .checks import run_checks_for_session
 
     t_all = time.time()
-    s = open_session(cfg)
+    with memory_guard("load"):
+        s = open_session(cfg)
     run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
     out_dir = cfg.output_dir
     report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}
@@ -148,28 +152,34 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         t0 = time.time()
         sc = None
         if verdict == "attributed":
-            sc = _attributed_scores(s, ix, qitems, direction, report)
+            with memory_guard("score"):
+                sc = _attributed_scores(s, ix, qitems, direction, report)
             order, scores, totals = sc.order, sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
         else:
             order, scores = None, _self_influence(ix)
             totals = scores
         s.timings["score"] = round(time.time() - t0, 3)
         t0 = time.time()
-        ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
+        with memory_guard("base_scores"):
+            ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
         s.timings["base_scores"] = round(time.time() - t0, 3)
         if sc is not None and ranking:
             t0 = time.time()
-            spans_out = spans_stage(s, ix, sc, ranking, qitems)
+            with memory_guard("spans"):
+                spans_out = spans_stage(s, ix, sc, ranking, qitems)
             s.timings["spans"] = round(time.time() - t0, 3)
             t0 = time.time()
-            cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed, gradients=ix.rows,
-                                previews=[preview(e.plain_text()) for e in s.examples])
+            with memory_guard("clusters"):
+                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed, gradients=ix.rows,
+                                    previews=[preview(e.plain_text()) for e in s.examples])
             clusters = cl["clusters"]
             report["clusters_info"] = {k: v for k, v in cl.items() if k != "clusters"}
             s.timings["clusters"] = round(time.time() - t0, 3)
             t0 = time.time()
-            blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking, direction,
-                              chat=s.chat, max_len=cfg.grads.max_seq_length, batch_size=cfg.evaluation.batch_size)
+            with memory_guard("blame"):
+                blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking,
+                                  direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
+                                  batch_size=cfg.evaluation.batch_size)
             s.timings["blame"] = round(time.time() - t0, 3)
         ix.close()
     report.update({

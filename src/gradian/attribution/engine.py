@@ -6,13 +6,17 @@ row gradients against parameter-space directions, and per-token contributions al
 steps in order (preconditioned scores, best windows of long rows, exact re-ranking and the self-check of a projected
 index) from a `RowSource` over the index and small typed `ScoringSettings`; `attribute`, `fidelity` and the
 checkpoint average all call it, each with its own model side.
+
+Nothing here holds (exact width x rows) or (exact width x items): exact rows are streamed batch by batch, and
+parameter-space directions (`attribution.directions`) and exact query gradients come in fixed blocks of items of at
+most `directions.DIRECTION_BYTES`, one pass over the rows scored per block.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -20,11 +24,13 @@ from ..grads.capture import GradientCapture
 from ..grads.layout import exact_widths, site_shapes
 from ..grads.tangents import token_contributions
 from ..progress import progress_bar
-from ..projection import Projector, back_project
+from ..projection import Projector
 from ..setup.batches import batches
 from ..store.rows import RowSource
+from . import directions as dirs_
 from . import rerank as rr
 from . import windows as win
+from .directions import BackProjected
 from .precondition import Preconditioner
 from .queries import query_vectors
 from .scoring import Scores, aggregate, item_scores, score
@@ -93,34 +99,86 @@ class ModelGradients:
         return query_vectors(cap, self.tokenizer, self.eval_items, qitems, chat=self.chat, max_len=self.max_len,
                              batch_size=self.batch_size).numpy()
 
-    def exact_inner(self, dirs: np.ndarray, positions: Sequence[int]) -> np.ndarray:
-        """dirs [Q, D_exact] @ exact gradients of the rows at `positions` -> [Q, len(positions)] (streamed: no exact
-        vector is kept)."""
-        out = np.zeros((dirs.shape[0], len(positions)), dtype=np.float32)
+    @property
+    def exact_width(self) -> int:
+        return sum(exact_widths(self.sites))
+
+    def exact_queries(self, qitems) -> Callable[[Sequence[int]], np.ndarray]:
+        """ks -> exact (parameter-space) query gradients of items ks, float32 [len(ks), D_exact]. Computed in the
+        fixed blocks of `directions.blocks` (so an item's vector has the same bits whichever caller asks) and only
+        the last block is kept (at most `directions.DIRECTION_BYTES`): [Q, D_exact] is never held for all items,
+        and re-ranking, windows and spans of up to a block of items share one computation."""
+        qitems = list(qitems)
+        size = dirs_.block_size(self.exact_width)
+        cache: dict = {}
+
+        def block(b: int) -> np.ndarray:
+            if b not in cache:
+                cache.clear()  # the previous block goes before the next is computed
+                cache[b] = self.query_vectors(qitems[b * size : (b + 1) * size], exact=True)
+            return cache[b]
+
+        def get(ks: Sequence[int]) -> np.ndarray:
+            ks = [int(k) for k in ks]
+            out = None
+            for b in sorted({k // size for k in ks}):
+                lo, blk = b * size, block(b)
+                if [k - lo for k in ks] == list(range(blk.shape[0])):
+                    return blk  # the whole block, in order (callers never write into it)
+                if out is None:
+                    out = np.empty((len(ks), blk.shape[1]), dtype=np.float32)
+                js = [j for j, k in enumerate(ks) if k // size == b]
+                out[js] = blk[[ks[j] - lo for j in js]]
+            return out if out is not None else np.zeros((0, self.exact_width), dtype=np.float32)
+
+        return get
+
+    def exact_inner(self, dirs, positions: Sequence[int]) -> np.ndarray:
+        """Directions (an [Q, D_exact] array or `directions.Directions`) @ exact gradients of the rows at
+        `positions` -> [Q, len(positions)] float32. Streamed: no exact row vector is kept, and the directions are
+        taken in blocks of at most `directions.DIRECTION_BYTES` (one capture pass over the rows per block)."""
+        dirs = dirs_.as_directions(dirs)
+        out = np.zeros((dirs.n, len(positions)), dtype=np.float32)
         device = next(self.model.parameters()).device
         pos = list(positions)
-        d32 = np.asarray(dirs, dtype=np.float32)
         rows = [self.toks[p] for p in pos]
         order = sorted(range(len(pos)), key=lambda j: (len(rows[j].input_ids), pos[j]))
         exact = self.exact()
-        with progress_bar("exact re-rank", total=len(pos)) as bar:
-            for js, ids, attn, sup in batches(rows, order, self.batch_size, self.pad_id, device):
-                vecs, _ = exact.vectors(ids, attn, sup)
-                out[:, js] = d32 @ vecs.detach().cpu().numpy().T
-                bar.advance(len(js))
+        groups = dirs_.blocks(dirs.n, dirs.width)
+        with progress_bar("exact re-rank", total=len(pos) * len(groups)) as bar:
+            for ks in groups:
+                d32 = dirs.rows(ks)
+                for js, ids, attn, sup in batches(rows, order, self.batch_size, self.pad_id, device):
+                    vecs, _ = exact.vectors(ids, attn, sup)
+                    out[ks[0] : ks[-1] + 1, js] = d32 @ vecs.detach().cpu().numpy().T
+                    bar.advance(len(js))
+                del d32
         return out
 
-    def contributions(self, dirs: np.ndarray, positions: Sequence[int],
-                      items: Optional[Sequence[int]] = None) -> dict:
-        """{(position, k): per-token contributions} along dirs[k] (every direction, or one per row: `items`)."""
+    def contributions(self, dirs, positions: Sequence[int], items: Optional[Sequence[int]] = None) -> dict:
+        """{(position, k): per-token contributions} along direction k (every direction, or one per row: `items`) of
+        an [K, D_exact] array or a `directions.Directions`, taken in blocks of directions."""
+        dirs = dirs_.as_directions(dirs)
         toks = [self.toks[p] for p in positions]
         if items is None:
-            jobs = [(j, k) for j in range(len(positions)) for k in range(dirs.shape[0])]
+            jobs = [(j, k) for j in range(len(positions)) for k in range(dirs.n)]
         else:
             jobs = [(j, int(k)) for j, k in enumerate(items)]
-        res = token_contributions(self.model, self.sites, toks, dirs, pad_id=self.pad_id, batch_size=self.batch_size,
-                                  jobs=jobs, chunk=self.chunk)
-        return {(positions[j], k): v for (j, k), v in res.items()}
+        out: dict = {}
+        for ks in dirs_.blocks(dirs.n, dirs.width):
+            lo, hi = ks[0], ks[-1] + 1
+            sub = [(j, k - lo) for j, k in jobs if lo <= k < hi]
+            if not sub:
+                continue
+            need = sorted({k for _, k in sub})  # only the directions these jobs use
+            where = {k: i for i, k in enumerate(need)}
+            d = dirs.rows([lo + k for k in need])
+            res = token_contributions(self.model, self.sites, toks, d, pad_id=self.pad_id,
+                                      batch_size=self.batch_size, jobs=[(j, where[k]) for j, k in sub],
+                                      chunk=self.chunk)
+            out.update({(positions[j], lo + need[i]): v for (j, i), v in res.items()})
+            del d
+        return out
 
 
 def block_dims_of(index) -> Optional[list[int]]:
@@ -152,9 +210,8 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
         _windows(grads, sc, projector)
     if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
         return sc
-    q_ex = grads.query_vectors(qitems, exact=True)
-    sc.e, sc.r = rr.exact_directions(sc, q, q_ex, projector.site_dims(), exact_widths(grads.sites),
-                                     settings.direction)
+    sc.e, sc.r = rr.exact_directions(sc, q, grads.exact_queries(qitems), projector.site_dims(),
+                                     exact_widths(grads.sites), settings.direction)
     n = rows.n
     cand = rr.candidates(sc.rank_agg, settings.rerank)
     sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
@@ -185,12 +242,12 @@ def _windows(grads: ModelGradients, sc: Scores, projector) -> None:
     t0 = time.time()
     Q = sc.w.shape[0]
     if Q > win.WINDOW_ITEMS_MAX:
-        res = grads.contributions(back_project(projector, sc.w.mean(0, keepdims=True)), long_rows)
+        res = grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), long_rows)
         win.aggregate_windows(sc, long_rows, res)
     item_rows = win.item_window_rows(sc, long_rows, Q)
     sc.window_items = len(item_rows) == len(long_rows)
     sc.window_item_rows = list(item_rows)
-    res = grads.contributions(back_project(projector, sc.w), item_rows)
+    res = grads.contributions(BackProjected(projector, sc.w), item_rows)
     win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
 
@@ -206,7 +263,7 @@ def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.nd
     jobs_rows = [p for p in long_c if p in item_rows]
     res = grads.contributions(dirs, jobs_rows) if jobs_rows else {}
     agg_only = [p for p in long_c if p not in item_rows]
-    res_agg = grads.contributions(dirs.mean(0, keepdims=True), agg_only) if agg_only else {}
+    res_agg = grads.contributions(dirs.mean(), agg_only) if agg_only else {}
     out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
     return out

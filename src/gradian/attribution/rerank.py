@@ -15,7 +15,8 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
 from ..grads.layout import expand
-from .scoring import Scores, aggregate, harm_directions, harm_factor, rank, unit_queries
+from .directions import BackProjected, Directions, ExactPart
+from .scoring import Scores, aggregate, harm_factor, rank
 
 
 def topk_recall(exact: np.ndarray, approx: np.ndarray, k: int) -> float:
@@ -58,17 +59,22 @@ def order_scores(order: np.ndarray) -> np.ndarray:
     return out
 
 
-def exact_directions(sc: Scores, q_index: np.ndarray, q_exact: np.ndarray, index_widths, exact_widths,
-                     direction: str) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """(e [Q, D_exact], r [Q, dim] or None): a candidate's exact score is <e, g_exact> (+ <r, P(g)>)."""
+def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_widths, exact_widths,
+                     direction: str) -> tuple[ExactPart, Optional[np.ndarray]]:
+    """(e, r or None): a candidate's exact score is <e_k, g_exact> (+ <r_k, P(g)>). `exact_queries(ks)` gives the
+    exact query gradients of items ks (float32 [len(ks), D_exact]; an in-memory [Q, D_exact] array also serves);
+    e is produced from it block by block (`attribution.directions.ExactPart`), r [Q, dim] is in index space."""
+    if not callable(exact_queries):
+        arr = np.asarray(exact_queries, dtype=np.float32)
+        exact_queries = lambda ks: arr[list(ks)]  # noqa: E731
     pre = sc.precond
+    Q = q_index.shape[0]
     if pre.kind == "identity":
-        return harm_directions(unit_queries(q_exact), direction), None
+        return ExactPart(exact_queries, np.full(Q, harm_factor(direction)), exact_widths, unit=True), None
     # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
     c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
     scale_idx = expand(pre.identity_scale, index_widths)
-    scale_ex = expand(pre.identity_scale, exact_widths)
-    e = c[:, None] * scale_ex[None, :] * q_exact.astype(np.float64)
+    e = ExactPart(exact_queries, c, exact_widths, scale=np.asarray(pre.identity_scale, dtype=np.float64))
     r = sc.w - c[:, None] * scale_idx[None, :] * q_index.astype(np.float64)
     return e, r
 
@@ -104,16 +110,15 @@ def put_exact_order(sc: Scores, cand: np.ndarray, exact_agg: np.ndarray) -> None
     sc.rank_agg = rank_agg
 
 
-def parameter_directions(sc: Scores, projector, exact_part: bool) -> np.ndarray:
-    """Parameter-space directions [Q, D_exact] whose inner products with a row's exact gradient give its score:
-    P^T w for index-scored rows; P^T r + e for a projected index's re-ranked candidates."""
-    from ..projection import back_project
-
+def parameter_directions(sc: Scores, projector, exact_part: bool) -> Directions:
+    """Parameter-space directions (one per item, produced block by block: `attribution.directions`) whose inner
+    products with a row's exact gradient give its score: P^T w for index-scored rows; P^T r + e for a projected
+    index's re-ranked candidates."""
     if not exact_part or sc.e is None:
-        return back_project(projector, sc.w)
+        return BackProjected(projector, sc.w)
     if sc.r is None:
         return sc.e
-    return back_project(projector, sc.r) + sc.e
+    return BackProjected(projector, sc.r) + sc.e
 
 
 def self_check(exact_s: np.ndarray, projected_s: np.ndarray, sample: np.ndarray, order: Optional[np.ndarray],

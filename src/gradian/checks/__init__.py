@@ -2,9 +2,8 @@
 loaded.
 
 The checks live one module per concern (`setup_checks`, `data`, `model`, `adapter`, `convergence`, `evaluation`,
-`resources`),
-registered with `registry.check`; they look at a `context.Context` that loads through the same loaders every verb
-uses. Calling them from code:
+`resources`, `capture`), registered with `registry.check`; they look at a `context.Context` that loads through the
+same loaders every verb uses. Calling them from code:
 
     results = run_diagnose("gradian.yaml", ["grads.batch_size=4"])    # what `gradian diagnose` prints
     results = run_checks_for_session(session)  # after open_session: raises CheckFailed on an error check and
@@ -17,7 +16,7 @@ from typing import Optional
 
 from ..config import load_config
 from ..errors import CheckFailed
-from . import adapter, convergence, data, evaluation, model, resources, setup_checks  # noqa: F401 - they register the checks
+from . import adapter, capture, convergence, data, evaluation, model, resources, setup_checks  # noqa: F401 - they register the checks
 from .context import Context
 from .registry import LEVELS, ORDER, REGISTRY, STATUSES, CheckResult, ordered, run_checks
 

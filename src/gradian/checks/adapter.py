@@ -55,11 +55,12 @@ def _task_type(ctx) -> Outcome:
 
 
 @check("adapter.quantized", "warning",
-       meaning="The adapter was trained on a 4-/8-bit quantized base (QLoRA) or model.base is quantized: gradian's "
-               "analysis wants the base in model.dtype, which costs more memory, and its gradients differ slightly "
-               "from those of quantized training.",
-       fix="point model.base at the full-precision checkpoint the quantized one came from and make sure the device "
-           "holds it in model.dtype (see memory.logit_upcast); the LoRA weights apply unchanged")
+       meaning="The adapter was trained on a 4-/8-bit quantized base (QLoRA) or model.base is quantized, and "
+               "model.quantization does not match: with model.quantization none the analysis runs against the "
+               "base in model.dtype (more memory, gradients slightly unlike those of quantized training).",
+       fix="set model.quantization to how the adapter was trained (nf4 for 4-bit QLoRA, int8 for 8-bit; "
+           "pip install 'gradian[quant]'), or keep none and point model.base at the full-precision checkpoint the "
+           "quantized one came from (see memory.logit_upcast); the LoRA weights apply unchanged")
 def _quantized(ctx) -> Outcome:
     found, have_any = [], False
     mcfg = None
@@ -89,11 +90,20 @@ def _quantized(ctx) -> Outcome:
                           8 if "8bit" in name.lower() or "int8" in name.lower() else 4))
     except Unavailable:
         pass
+    q = ctx.cfg.model.quantization
+    q_bits = {"nf4": 4, "int8": 8}.get(q)
     if not have_any:
         return skipped("neither the base config nor the adapter config loaded")
     if not found:
-        return passed("no quantization in the base config or the adapter config")
+        return passed("no quantization in the base config or the adapter config"
+                      + (f"; the base is loaded with model.quantization {q}" if q_bits else ""))
     bits = min(b for _, b in found)
+    what = "; ".join(m_ for m_, _ in found)
+    if q_bits == bits:
+        return passed(f"{what}; model.quantization {q} loads the base at {bits}-bit, as the adapter was trained")
+    if q_bits is not None:
+        return failed(f"{what}; but model.quantization is {q} ({q_bits}-bit): set it to "
+                      f"{'nf4' if bits == 4 else 'int8'} to analyse against the base the adapter was trained on")
     params = param_estimate(mcfg) if mcfg is not None else None  # from the config: packed 4-bit tensors undercount
     if params is None and ctx.peek("base_model") is not None:
         params = sum(p.numel() for p in ctx.peek("base_model").parameters())
@@ -103,7 +113,8 @@ def _quantized(ctx) -> Outcome:
         cost = (f"; unquantized in model.dtype {ctx.cfg.model.dtype} the base takes ~{human(params * nb)} (~{params / 1e9:.2f}B "
                 f"parameters x {nb} bytes) instead of ~{human(params * bits / 8)} at {bits}-bit, and gradients through "
                 "it differ slightly from those of quantized training")
-    return failed("; ".join(m_ for m_, _ in found) + cost)
+    return failed(f"{what}; model.quantization is none{cost}: set model.quantization: "
+                  f"{'nf4' if bits == 4 else 'int8'} to analyse against the {bits}-bit base it was trained on")
 
 
 @check("adapter.base_mismatch", "error",

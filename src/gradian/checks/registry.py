@@ -17,7 +17,7 @@ LEVELS = ("error", "warning", "info")
 STATUSES = ("pass", "fail", "skip")
 
 # The order `diagnose` prints the checks in (and report flags follow): configuration, runtime, data, tokenizer,
-# model, adapter, evaluation, resources.
+# model, adapter, evaluation, resources, and last the dry run of one row through the capture.
 ORDER = (
     "config.paths", "device.unavailable", "device.mps_not_auto", "runtime.threads",
     "data.unreadable_record", "data.empty", "data.unknown_record_shape", "data.invalid_record", "data.duplicate_rows",
@@ -26,7 +26,7 @@ ORDER = (
     "model.full_finetune", "adapter.unreadable", "adapter.not_lora", "adapter.task_type", "adapter.quantized",
     "adapter.base_mismatch", "adapter.skipped_modules", "train.target_modules", "train.not_converged",
     "evaluation.no_eval_set", "attribution.no_capability_target", "evaluation.small_eval_set",
-    "evaluation.metric_loglik", "memory.logit_upcast", "index.size",
+    "evaluation.metric_loglik", "memory.logit_upcast", "index.size", "capture.dry_run",
 )
 
 

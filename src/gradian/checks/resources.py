@@ -49,16 +49,17 @@ def _logit_upcast(ctx) -> Outcome:
        fix="set grads.projection_dim (e.g. 8192) and/or grads.storage_dtype: bfloat16, or point grads.cache_dir at a "
            "bigger disk")
 def _index_size(ctx) -> Outcome:
-    from ..grads.layout import site_shapes
-    from ..projection import Projector
+    from ..grads.layout import exact_widths, site_shapes
+    from ..projection import Projector, choose_projection
 
     sites, _ = ctx.sites
     examples = ctx.examples
     g = ctx.cfg.grads
+    choice = choose_projection(g.projection_dim, sum(exact_widths(sites)), len(examples), g.storage_dtype)
     try:
-        dim = Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed).dim
+        dim = Projector(site_shapes(sites), choice.dim, g.projection_kind, g.projection_seed).dim
     except (GradianError, ValueError) as e:  # e.g. a projection_dim below what these sites need
-        return failed(str(e), "set grads.projection_dim to a width these LoRA sites allow, or leave it unset (exact)",
+        return failed(str(e), "set grads.projection_dim to a width these LoRA sites allow, or auto",
                       level="error")
     half = g.storage_dtype in ("float16", "bfloat16")
     per_row = dim * (2 if half else 4) + (4 if half else 0)
@@ -67,7 +68,7 @@ def _index_size(ctx) -> Outcome:
     anchor = next((q for q in [where, *where.parents] if q.exists()), None)
     free = shutil.disk_usage(anchor).free if anchor is not None and anchor.is_dir() else None
     msg = (f"{len(examples)} rows x dim {dim} ({len(sites)} sites, "
-           f"{'projection_dim ' + str(g.projection_dim) if g.projection_dim else 'exact, no projection'}) x "
+           f"{'projection_dim ' + str(choice.dim) if choice.dim else 'exact, no projection'}; {choice.reason}) x "
            f"{g.storage_dtype} = {human(total)} at {where}")
     if free is None:
         return passed(msg)

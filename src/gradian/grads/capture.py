@@ -78,28 +78,43 @@ class GradientCapture:
 
     def site_grads(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, weights: Optional[Tensor] = None):
         """Per-site exact (dA, dB) of each example's summed supervised loss, and the per-example losses."""
+        it, losses = self.iter_site_grads(input_ids, attention_mask, supervised, weights)
+        return [g for _, g in it], losses
+
+    def iter_site_grads(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor,
+                        weights: Optional[Tensor] = None):
+        """(an iterator of (site index, (dA, dB)), per-example losses): like `site_grads`, one site at a time, so a
+        caller that reduces each site (a projection, a fit) never holds batch x exact width at once."""
         with self._recording() as rec:
             losses = per_example_loss(self.model, input_ids, attention_mask, supervised, chunk=self.chunk)
         total = (losses * weights).sum() if weights is not None else losses.sum()
-        return self.grads_from_recording(rec, total, input_ids.shape[0]), losses.detach()
+        return self.iter_grads_from_recording(rec, total, input_ids.shape[0]), losses.detach()
 
     def grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int) -> list[tuple[Tensor, Tensor]]:
         """Per-site exact (dA, dB) of `total` (a sum of per-example objectives) from one recorded forward."""
+        return [g for _, g in self.iter_grads_from_recording(rec, total, batch)]
+
+    def iter_grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int):
+        """(site index, (dA, dB)) for each site, from one backward; each site's recorded tensors and output
+        gradients are released once its per-example gradients are formed."""
         targets, spans = [], []
         for i in range(len(self.sites)):
             spans.append((len(targets), len(rec.a_out[i]), len(rec.b_out[i])))
             targets.extend(rec.a_out[i])
             targets.extend(rec.b_out[i])
-        grads = torch.autograd.grad(total, targets, allow_unused=True) if targets else []
-        out = []
+        grads = list(torch.autograd.grad(total, targets, allow_unused=True)) if targets else []
+        del targets
         for i, s in enumerate(self.sites):
             start, na, nb = spans[i]
             ga, gb = grads[start : start + na], grads[start + na : start + na + nb]
             calls = [c for c in zip(rec.a_in[i], ga, rec.b_in[i], gb) if c[1] is not None and c[3] is not None]
-            if len(calls) == 1:  # the usual case: no zero-fill and accumulation copy of the full gradient
-                out.append(per_example_site_grads(*calls[0]))
-                continue
             device = rec.a_in[i][0].device if rec.a_in[i] else None
+            grads[start : start + na + nb] = [None] * (na + nb)
+            rec.a_in[i], rec.b_in[i], rec.a_out[i], rec.b_out[i] = [], [], [], []
+            del ga, gb
+            if len(calls) == 1:  # the usual case: no zero-fill and accumulation copy of the full gradient
+                yield i, per_example_site_grads(*calls[0])
+                continue
             dA = torch.zeros(batch, s.r, s.d_in, device=device)
             dB = torch.zeros(batch, s.d_out, s.r, device=device)
             # A module called several times in one forward contributes once per call.
@@ -107,14 +122,27 @@ class GradientCapture:
                 a, b = per_example_site_grads(x, gh, h, gz)
                 dA += a
                 dB += b
-            out.append((dA, dB))
+            del calls
+            yield i, (dA, dB)
+
+    def _project_all(self, site_iter, batch: int) -> Tensor:
+        """[B, dim]: each site's projection written into one buffer as its gradients arrive."""
+        out, a = None, 0
+        for i, (dA, dB) in site_iter:
+            v = self.projector.project(i, dA, dB)
+            del dA, dB
+            if out is None:
+                out = v.new_empty(batch, self.dim)
+            out[:, a : a + v.shape[1]] = v
+            a += v.shape[1]
+        if out is None:
+            out = torch.zeros(batch, self.dim)
         return out
 
     def vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, weights: Optional[Tensor] = None):
         """[B, dim] float32 gradient vectors (projected if the projector projects) and [B] losses."""
-        per_site, losses = self.site_grads(input_ids, attention_mask, supervised, weights)
-        vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
-        return torch.cat(vecs, dim=1), losses
+        it, losses = self.iter_site_grads(input_ids, attention_mask, supervised, weights)
+        return self._project_all(it, input_ids.shape[0]), losses
 
     def margin_vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor):
         """[B, dim] gradients of each example's margin-query loss (`objectives.margin_losses`) in the capture's space,
@@ -122,6 +150,5 @@ class GradientCapture:
         token loss."""
         with self._recording() as rec:
             losses, _ = margin_losses(self.model, input_ids, attention_mask, supervised)
-        per_site = self.grads_from_recording(rec, losses.sum(), input_ids.shape[0])
-        vecs = [self.projector.project(i, dA, dB) for i, (dA, dB) in enumerate(per_site)]
-        return torch.cat(vecs, dim=1), losses.detach()
+        it = self.iter_grads_from_recording(rec, losses.sum(), input_ids.shape[0])
+        return self._project_all(it, input_ids.shape[0]), losses.detach()

@@ -3,8 +3,8 @@
 Per site side (`BasisFitter`, two passes with the exact per-example gradients):
 
 1. wide side: the top k1 singular directions U (d x k1) of the stacked per-example rows (dA rows for A, dB
-   columns for B), k1 = min(d, STAGE2_WIDTH // r), from the exact Gram (d <= GRAM_MAX_D) or a Frequent Directions
-   sketch; the rank side stays exact: X -> X U (r x k1);
+   columns for B), k1 = min(d, STAGE2_WIDTH // r), from the exact Gram (d <= GRAM_MAX_D, while all Grams fit
+   FIT_GRAM_BYTES) or a Frequent Directions sketch; the rank side stays exact: X -> X U (r x k1);
 2. site PCA: the top principal directions W of the flattened (r k1) stage-1 vectors.
 
 The budget `dim` is shared across all sides by energy: the `dim` largest stage-2 eigenvalues over every side win.
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .projector import Projector
 
 GRAM_MAX_D = 1024  # data-aware stage 1: exact d x d Gram up to this width, a Frequent Directions sketch above
+FIT_GRAM_BYTES = 256 << 20  # ... while all the exact Grams together stay within this
 STAGE2_WIDTH = 256  # data-aware: r * k1, the width of a side's stage-1 output (its stage-2 Gram is this squared)
 BASIS_FILE = "projection_basis.safetensors"
 BASIS_SCHEMA = "gradian.projection_basis/2"
@@ -53,10 +54,10 @@ class SideFit:
     the Gram, far below what the top k1 <= l / 4 directions need). On CPU, so the result depends only on the rows
     fed and their order."""
 
-    def __init__(self, d: int, k: int):
+    def __init__(self, d: int, k: int, gram_up_to: int = GRAM_MAX_D):
         self.d = d
         self.l = max(4 * k, 128)
-        if d <= max(GRAM_MAX_D, 2 * self.l):
+        if d <= max(gram_up_to, 2 * self.l):
             self.gram: Optional[Tensor] = torch.zeros(d, d, dtype=torch.float64)
         else:
             self.gram = None
@@ -129,11 +130,15 @@ class BasisFitter:
             raise ValueError("only a projecting data-aware projector is fitted")
         self.p = projector
         self.stage1_fits: dict = {}
-        for s in projector.sites:
-            for side in ("A", "B"):
-                k1, d = projector.k1(s, side), (s.d_in if side == "A" else s.d_out)
-                if k1 < d:
-                    self.stage1_fits[(s.name, side)] = SideFit(d, k1)
+        wide = [(s, side, projector.k1(s, side), (s.d_in if side == "A" else s.d_out))
+                for s in projector.sites for side in ("A", "B")]
+        wide = [w for w in wide if w[2] < w[3]]
+        # Exact d x d Grams up to GRAM_MAX_D while all of them fit FIT_GRAM_BYTES; beyond that (a real model: 876 MB
+        # on SmolLM-135M's 420 sides) every side wider than 2 l takes the Frequent Directions sketch (2 l x d floats).
+        gram_bytes = sum(8 * d * d for _, _, _, d in wide if d <= GRAM_MAX_D)
+        gram_up_to = GRAM_MAX_D if gram_bytes <= FIT_GRAM_BYTES else 0
+        for s, side, k1, d in wide:
+            self.stage1_fits[(s.name, side)] = SideFit(d, k1, gram_up_to)
         self.passes = 2 if self.stage1_fits else 1
         self.pass_no = 0  # passes ended so far
         self.stage1: dict = {}

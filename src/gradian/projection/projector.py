@@ -346,23 +346,29 @@ class Projector:
 
 
 def back_project(projector: Projector, w) -> np.ndarray:
-    """Index-space directions w [K, dim] -> parameter-space directions [K, D_exact] with <w, P(g)> = <P^T w, g>,
-    by differentiating the projector. The identity for an exact projector."""
-    w = np.atleast_2d(np.asarray(w, dtype=np.float64))
+    """Index-space directions w [K, dim] -> parameter-space directions [K, D_exact] (float32) with
+    <w, P(g)> = <P^T w, g>, by differentiating the projector site by site. The identity for an exact projector.
+
+    A data-aware fit may give a site, or one side of a site, no width: nothing of it is in the index, so its part of
+    P^T w is zero (`allow_unused`: the side's input never reaches the output)."""
+    w = np.atleast_2d(np.asarray(w))
     if projector.exact:
-        return w.copy()
-    outs, a = [], 0
-    sites = projector.sites
-    wt = torch.as_tensor(w, dtype=torch.float32)
-    for i, (s, dim) in enumerate(zip(sites, projector.site_dims())):
-        if dim == 0:  # a site the data-aware fit gave no width: nothing of it is in the index
-            outs.append(np.zeros((w.shape[0], s.numel)))
-            continue
-        dA = torch.zeros(w.shape[0], s.r, s.d_in, requires_grad=True)
-        dB = torch.zeros(w.shape[0], s.d_out, s.r, requires_grad=True)
-        with torch.enable_grad():
-            z = projector.project(i, dA, dB)
-            ga, gb = torch.autograd.grad((z * wt[:, a : a + dim]).sum(), (dA, dB))
-        outs.append(torch.cat([ga.flatten(1), gb.flatten(1)], 1).double().numpy())
+        return w.astype(np.float32)
+    out = np.zeros((w.shape[0], projector.exact_dim), dtype=np.float32)
+    a = off = 0
+    wt = torch.as_tensor(np.ascontiguousarray(w, dtype=np.float32))
+    for i, (s, dim) in enumerate(zip(projector.sites, projector.site_dims())):
+        na, nb = s.r * s.d_in, s.d_out * s.r
+        if dim:
+            dA = torch.zeros(w.shape[0], s.r, s.d_in, requires_grad=True)
+            dB = torch.zeros(w.shape[0], s.d_out, s.r, requires_grad=True)
+            with torch.enable_grad():
+                z = projector.project(i, dA, dB)
+                ga, gb = torch.autograd.grad((z * wt[:, a : a + dim]).sum(), (dA, dB), allow_unused=True)
+            if ga is not None:
+                out[:, off : off + na] = ga.reshape(w.shape[0], na).numpy()
+            if gb is not None:
+                out[:, off + na : off + na + nb] = gb.reshape(w.shape[0], nb).numpy()
         a += dim
-    return np.concatenate(outs, 1)
+        off += na + nb
+    return out

@@ -177,6 +177,18 @@ class Projection(_Model):
     basis_sha256: str = _absent("data-aware: sha256 of projection_basis.safetensors.")
     fit_examples: int = _absent("data-aware: rows the basis was actually fitted on.")
     site_dims: list[int] = _absent("data-aware: projected width of each LoRA site.")
+    setting: Union[int, str] = _absent("`grads.projection_dim` as set (`auto` or a width).")
+    reason: str = _absent("Why this width was used (for `auto`: the size rule of `gradian.projection.auto`).")
+
+
+class ProjectionChoice(_Model):
+    """What `grads.projection_dim` resolved to, and why."""
+
+    setting: Optional[Union[int, str]] = Field(description="`grads.projection_dim` as set: `auto`, a width or null.")
+    dim: int = Field(description="Width of a stored row.")
+    exact: bool = Field(description="Whether the rows are exact LoRA gradients.")
+    exact_width: int = Field(description="Exact width of the LoRA gradient (sum of r x (d_in + d_out) over sites).")
+    reason: str = Field(description="The rule that chose it, in words.")
 
 
 class Agreement(_Model):
@@ -213,6 +225,7 @@ class IndexSummary(_Model):
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="`grads.storage_dtype`.")
     bytes: int = Field(description="Size of the stored vectors.")
     projection: Optional[Projection] = Field(description="The projection; null for an exact index.")
+    projection_choice: ProjectionChoice = _absent("What `grads.projection_dim` resolved to and why.")
     reused_rows: int = _absent("Rows found in the cache.")
     built_rows: int = _absent("Rows captured in this run.")
     path: str = _absent("Index directory.")

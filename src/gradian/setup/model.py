@@ -12,6 +12,7 @@ Several adapters (the final one and earlier checkpoints) share one base: `load_m
 from __future__ import annotations
 
 import json
+import logging
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ import torch
 from ..config import Config
 from ..errors import ModelError
 from ..runtime import configure_threads, resolve_device
+
+# On AVX512-BF16 CPUs bitsandbytes (imported by PEFT whenever it is installed) tries an optional hub kernel package
+# and logs its absence; the portable path is used either way (`_fixed_bnb_path`), so that line is noise.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAPTER_NAME = "default"
@@ -280,8 +285,36 @@ def device_of(cfg: Config) -> torch.device:
     return resolve_device(cfg.model.device)
 
 
+QUANT_EXTRA = "pip install 'gradian[quant]'"
+
+
+def quantization_config(cfg: Config):
+    """transformers' `BitsAndBytesConfig` for `model.quantization` (None for none). bitsandbytes is imported here
+    only: it is an optional extra, and a missing one is a `ModelError` naming how to install it."""
+    q = cfg.model.quantization
+    if q == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ModelError(f"model.quantization is {q}, which loads the base through bitsandbytes, and bitsandbytes is "
+                         f"not installed: {QUANT_EXTRA} (bitsandbytes >= 0.46 runs 4-bit on CPU too), or set "
+                         "model.quantization: none", check="model.load_failed",
+                         fix=f"{QUANT_EXTRA}, or set model.quantization: none") from None
+    from transformers import BitsAndBytesConfig
+
+    compute = _DTYPES.get(cfg.model.dtype, torch.float32)
+    if q == "nf4":
+        # The LoRA branch and every activation run in model.dtype; only the frozen base weights are 4-bit.
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    # LLM.int8 casts fp32 inputs to fp16 on every call and logs it each time; the cast is part of int8's numerics.
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def load_base(cfg: Config, device: Optional[torch.device] = None):
-    """The base model in eval mode on its device, after the config checks (model.load_failed, model.not_causal_lm)."""
+    """The base model in eval mode on its device, after the config checks (model.load_failed, model.not_causal_lm);
+    quantized through bitsandbytes when `model.quantization` says so."""
     from transformers import AutoModelForCausalLM
 
     configure_threads(cfg.model.threads)
@@ -289,16 +322,32 @@ def load_base(cfg: Config, device: Optional[torch.device] = None):
     check_causal(cfg, load_base_config(cfg))
     device = device or device_of(cfg)
     dtype = None if cfg.model.dtype == "auto" else _DTYPES[cfg.model.dtype]
+    qc = quantization_config(cfg)
+    # A quantized model is placed by from_pretrained (bitsandbytes packs the weights on their device; .to() refuses)
+    extra = {} if qc is None else {"quantization_config": qc, "device_map": {"": str(device)}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, use_safetensors=None
+            base, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, use_safetensors=None, **extra
         )
     except Exception as e:
-        raise ModelError(f"model.base '{base}': cannot load the model ({summarize_load_error(e)})",
-                         check="model.load_failed") from None
-    model.to(device)
+        raise ModelError(f"model.base '{base}': cannot load the model"
+                         + (f" with model.quantization {cfg.model.quantization}" if qc is not None else "")
+                         + f" ({summarize_load_error(e)})", check="model.load_failed") from None
+    if qc is None:
+        model.to(device)
+    else:
+        _fixed_bnb_path(model)
     model.eval()
     return model
+
+
+def _fixed_bnb_path(model) -> None:
+    """bitsandbytes repacks a 4-bit weight for CPUs with AVX512-BF16 (absmax rounded to bf16) on the first forward
+    without grad, in place: gradients would then depend on which forward came first (generation before the index,
+    or not) and on the CPU. Keep every Linear4bit on the one portable kernel path."""
+    for m in model.modules():
+        if getattr(m, "support_avx512bf16_for_cpu", False):
+            m.support_avx512bf16_for_cpu = False
 
 
 # ------------------------------------------------------------------------------------------------ base + adapters

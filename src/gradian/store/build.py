@@ -20,16 +20,18 @@ import numpy as np
 
 from ..config import Config
 from ..grads.capture import GradientCapture
-from ..grads.layout import site_shapes
+from ..grads.layout import exact_widths, site_shapes
 from ..io import dir_fingerprint, sha256_file
 from ..progress import progress_bar
-from ..projection import BASIS_FILE, Projector
+from ..projection import BASIS_FILE, ProjectionChoice, Projector, choose_projection
 from ..setup.batches import batches, length_order
 from ..setup.model import LoraSite
 from ..setup.tokenize import Tokenized
 from .index import GradientIndex
 
 log = logging.getLogger(__name__)
+
+SHARD_BYTES = 256 << 20  # float32 bytes of one shard (and of the build's write buffer), at most about
 
 # Bump when the gradient definition changes (loss, masks, projection scheme): old caches become foreign.
 GRADIENT_VERSION = 1
@@ -47,18 +49,31 @@ class IndexInfo:
     bytes: int
     projection: dict | None
     seconds: float
+    choice: ProjectionChoice | None = None
 
     def summary(self) -> dict:
-        return {
+        proj = self.projection
+        if proj is not None and self.choice is not None:
+            proj = {**proj, "setting": self.choice.setting, "reason": self.choice.reason}
+        out = {
             "key": self.key, "examples": self.examples, "dim": self.dim, "dtype": self.storage_dtype, "bytes": self.bytes,
-            "projection": self.projection, "reused_rows": self.reused, "built_rows": self.built, "path": str(self.root),
+            "projection": proj, "reused_rows": self.reused, "built_rows": self.built, "path": str(self.root),
         }
+        if self.choice is not None:
+            out["projection_choice"] = self.choice.describe()
+        return out
 
 
-def make_projector(cfg: Config, sites: Sequence[LoraSite]) -> Projector:
+def projection_choice(cfg: Config, sites: Sequence[LoraSite], rows: int) -> ProjectionChoice:
+    """`grads.projection_dim` resolved for `rows` rows on these sites (`projection.auto`)."""
     g = cfg.grads
-    return Projector(site_shapes(sites), g.projection_dim, g.projection_kind, g.projection_seed,
-                     fit_rows=g.projection_fit_rows)
+    return choose_projection(g.projection_dim, sum(exact_widths(sites)), rows, g.storage_dtype)
+
+
+def make_projector(cfg: Config, sites: Sequence[LoraSite], rows: int = 0) -> Projector:
+    g = cfg.grads
+    return Projector(site_shapes(sites), projection_choice(cfg, sites, rows).dim, g.projection_kind,
+                     g.projection_seed, fit_rows=g.projection_fit_rows)
 
 
 def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str) -> str:
@@ -69,6 +84,8 @@ def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adap
         "base": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
         "adapter": dir_fingerprint(adapter_path),
         "dtype": cfg.model.dtype,
+        # gradients through a quantized base differ from the full-precision ones (absent for none: old keys hold)
+        **({"quantization": cfg.model.quantization} if cfg.model.quantization != "none" else {}),
         "sites": [s.name for s in sites],
         "projection": projector.spec(),  # settings only: a fitted basis is bound to the index by its sha256
         "storage_dtype": g.storage_dtype,
@@ -118,8 +135,9 @@ def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized
         with progress_bar("fit projection", total=fitter.passes * len(positions)) as bar:
             for _ in range(fitter.passes):  # the same batches each pass: wide-side directions, then site PCA
                 for batch, ids, attn, sup in batches(toks, positions, cfg.grads.batch_size, pad_id, device):
-                    per_site, _ = capture.site_grads(ids, attn, sup)
-                    fitter.update_all(per_site)
+                    site_iter, _ = capture.iter_site_grads(ids, attn, sup)
+                    for i, (dA, dB) in site_iter:  # one site at a time: never batch x exact width at once
+                        fitter.update(i, dA, dB)
                     bar.advance(len(batch))
                 fitter.end_pass()
         proj.set_basis(fitter.finish())
@@ -143,8 +161,10 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
         store_key = f"{key}+basis-{sha[:16]}"
         meta = {**meta, "projection": capture.projector.describe(), "block_dims": capture.projector.site_dims(),
                 "projection_basis": {"file": BASIS_FILE, "sha256": sha}}
-    # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run.
-    shard_rows = -(-cfg.grads.shard_rows // bs) * bs
+    # Shards end on batch boundaries, so a resumed build replays exactly the batches the killed one would have run;
+    # and hold at most about SHARD_BYTES (the write buffer is one shard: 256 exact rows at 4.9M dims would be 5 GB).
+    shard_rows = min(cfg.grads.shard_rows, max(1, SHARD_BYTES // (4 * max(capture.dim, 1))))
+    shard_rows = -(-shard_rows // bs) * bs
     index = GradientIndex.open(root, key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
                                shard_rows=shard_rows)
     missing = index.missing(row_keys)
@@ -192,7 +212,8 @@ class OpenIndex:
 def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tokenized], adapter_path: str,
                pad_id: int) -> OpenIndex:
     """Build (the rows it lacks) or reuse the gradient index of this adapter's training set, open for scoring."""
-    proj = make_projector(cfg, sites)
+    choice = projection_choice(cfg, sites, len(toks))
+    proj = make_projector(cfg, sites, len(toks))
     capture = GradientCapture(model, sites, proj, chunk=cfg.grads.loss_chunk_tokens)
     key = cache_key(cfg, sites, proj, adapter_path)
     meta = {
@@ -204,4 +225,5 @@ def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tok
         "grads": cfg.grads.model_dump(mode="json"),
     }
     index, row_keys, info = build_index(cfg, capture, toks, key=key, pad_id=pad_id, meta=meta)
+    info.choice = choice
     return OpenIndex(capture, index, row_keys, info)
