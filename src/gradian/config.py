@@ -67,7 +67,7 @@ class EvaluationConfig(_Section):
 
 class AttributionConfig(_Section):
     query: Literal["contrastive", "classic"] = "contrastive"
-    preconditioner: Literal["identity", "diagonal", "fisher", "datainf"] = "diagonal"
+    preconditioner: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"] = "diagonal"
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)

@@ -66,6 +66,8 @@ def exact_directions(sc: Scores, q_index: np.ndarray, q_exact: np.ndarray, index
         return harm_directions(unit_queries(q_exact), direction), None
     # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
     c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
+    if pre.kind == "ekfac":  # preconditioned in parameter space: q_exact is H^-1 q already, nothing left in index space
+        return c[:, None] * np.asarray(q_exact, dtype=np.float64), None
     scale_idx = expand(pre.identity_scale, index_widths)
     scale_ex = expand(pre.identity_scale, exact_widths)
     e = c[:, None] * scale_ex[None, :] * q_exact.astype(np.float64)

@@ -124,11 +124,14 @@ class QueryItem(_Model):
 class Preconditioner(_Model):
     """`attribution.preconditioner` as fitted on the index."""
 
-    kind: Literal["identity", "diagonal", "fisher", "datainf"]
+    kind: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"]
     damping: Optional[float] = Field(description="Damping factor; null for identity.")
     damping_rule: str = Field(description="How the per-block damping lambda_b is set.")
     solver: dict[str, int] = _absent("fisher only: {primal_blocks, woodbury_blocks}.")
     lambda_range: Pair = _absent("[min, max] of the per-block damping lambda_b.")
+    factors: dict[str, Any] = _absent(
+        "ekfac only: how the Kronecker factors were obtained: cache (fitted, reused, or refitted and why), rows, "
+        "tokens, model_passes, correction (index rows or model pass), file and sha256 when stored beside the index.")
 
 
 class Checkpoints(_Model):
