@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from .attribution.accused import accused_set, none_accused
 from .attribution.checkpoints import over_checkpoints
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, score_items
 from .attribution.queries import loglik_flags, query_items, select_failing
@@ -140,6 +141,8 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
             s.flag(*f)
     report["query"] = {"formulation": cfg.attribution.query, "direction": direction, "items": []}
     scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
+    accused = none_accused("the verdict is declined: the capability did not move measurably" if verdict == "declined"
+                           else "a smoke test (no eval set): the ranking shows gradient outliers, not causes")
     if verdict != "declined":
         ix = index_stage(s)
         report["index"] = ix.info.summary()
@@ -155,6 +158,10 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         t0 = time.time()
         ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
         s.timings["base_scores"] = round(time.time() - t0, 3)
+        if sc is not None:
+            accused = accused_set(scores, order if order is not None else rank(scores), limit=cfg.attribution.top_k)
+            for row in ranking:
+                row["accused"] = row["rank"] <= accused["count"]
         if sc is not None and ranking:
             t0 = time.time()
             spans_out = spans_stage(s, ix, sc, ranking, qitems)
@@ -174,6 +181,7 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         "verdict": verdict,
         "verdict_text": verdict_text(verdict, cap, len(qitems), direction),
         "ranking": ranking,
+        "accused": accused,
         "clusters": clusters,
         "spans": spans_out,
         "scores_summary": score_summary(scores) if scores is not None else {"n": 0},

@@ -268,6 +268,20 @@ class RankingRow(_Model):
     verdict_text: str = _absent("`verdict` in plain words.")
     window: Window = _absent("Long rows only: the best window.")
     top_span: TopSpan = _absent("Top rows with a span drill-down only.")
+    accused: bool = _absent("Attributed only: the row is in the accused set (`accused`).")
+
+
+class Accused(_Model):
+    """How many rows are accused: the top of the ranking whose scores stand out from the null that the other rows'
+    scores form (`attribution.accused`). Empty when declined or a smoke test."""
+
+    count: int = Field(description="Number of accused rows: the first `count` rows of `ranking`.")
+    positions: list[int] = Field(description="Their 0-based record numbers, in rank order.")
+    z_threshold: float = Field(description="The robust z a row's ranking score must exceed.")
+    median: Optional[float] = Field(description="Median of every row's ranking score (null when nothing was scored).")
+    scale: Optional[float] = Field(description="1.4826 x the median absolute deviation of those scores (null likewise).")
+    capped_at_top_k: bool = Field(description="More rows passed the threshold than `attribution.top_k` lists.")
+    rule: str = Field(description="The rule in plain words, or why nobody is accused.")
 
 
 class Cluster(_Model):
@@ -388,6 +402,7 @@ class Report(_Model):
     index: Optional[IndexSummary] = Field(description="The gradient index; null when declined.")
     windows: Windows = _absent("Attributed only.")
     ranking: list[RankingRow] = Field(description="Top `attribution.top_k` rows in rank order (empty when declined).")
+    accused: Accused = _absent("The accused rows (absent in reports written before the accused rule).")
     clusters: list[Cluster] = Field(description="Clusters that pass the permutation test with BH control.")
     clusters_info: ClustersInfo = _absent("Attributed with a non-empty ranking only.")
     spans: list[Span] = Field(description="Sentence spans of the top rows, highest score first.")

@@ -31,6 +31,9 @@ def print_summary(report: dict, console: Console | None = None, rows: int = 10) 
             t.add_row(str(r["rank"]), str(r["position"]), f"{r['score']:.4g}",
                       _fmt(r.get("base_loss")), _fmt(r.get("tuned_loss")), _escape(r["preview"][:90]) + mark)
         console.print(t)
+    acc = report.get("accused")
+    if acc is not None and report["verdict"] == "attributed":
+        console.print(f"[bold]accused:[/] {acc['count']} row{'' if acc['count'] == 1 else 's'} ({acc['rule']})")
 
 
 def _fmt(v) -> str:
