@@ -51,14 +51,18 @@ BASELINE_METHODS = ["repsim", "bm25", "gradcos"]
 # checkpoints `gradian train` saved beside the adapter); "<preconditioner>@final" scores the final adapter alone
 # (attribution.checkpoints=1) and "<preconditioner>+ck<N>" with attribution.checkpoints=N. Compared beside the default.
 CHECKPOINT_METHODS = ["diagonal@final", "ekfac@final"]
+# attribution.optimizer=adamw: the optimizer-aware scores of the recorded AdamW run (opt-in)
+OPTIMIZER_METHODS = ["adamw"]
 
 
-def method_settings(m: str) -> tuple[str, Optional[object]]:
-    """(preconditioner, attribution.checkpoints override or None for the config's own)."""
+def method_settings(m: str) -> tuple[str, list[str]]:
+    """(preconditioner, the --set overrides of this method)."""
+    if m in OPTIMIZER_METHODS:
+        return default_preconditioner(), [f"attribution.optimizer={m}"]
     if m.endswith("@final"):
-        return m[: -len("@final")], 1
+        return m[: -len("@final")], ["attribution.checkpoints=1"]
     p, _, ck = m.partition("+ck")
-    return p, int(ck) if ck else None
+    return p, [f"attribution.checkpoints={int(ck)}"] if ck else []
 
 
 FULL_SEEDS = {"substitution": [0, 1, 2], "conversation4": [0, 1, 2], "conversation8": [0, 1, 2], "buried": [0, 1, 2],
@@ -141,6 +145,7 @@ def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> t
     from gradian.config import load_config
     from gradian.setup.records import dataset_fingerprint, load_train
     from gradian.training.recipe import read_recipe
+    from gradian.attribution.optimizer import TRAJECTORY_FILE, TrajectoryRecorder
     from gradian.training.loop import train_adapter
 
     cfg = load_config(cfg_path, [f"model.adapter={adapter}"])
@@ -150,10 +155,11 @@ def ensure_adapter(cfg_path: Path, *, adapter: str = "adapter", exclude=()) -> t
     fp = dataset_fingerprint(load_train(cfg.path(cfg.data.train)))
     if (rec and rec.hyperparameters.model_dump(exclude_unset=True) == json.loads(json.dumps(hp))
             and rec.dataset_fingerprint == fp and rec.seed == cfg.seed
-            and sorted(rec.excluded_positions) == sorted(exclude) and (out / "adapter_model.safetensors").exists()):
+            and sorted(rec.excluded_positions) == sorted(exclude) and (out / "adapter_model.safetensors").exists()
+            and (out / TRAJECTORY_FILE).exists()):
         return out, float(rec.train_seconds or 0.0), True
     t0 = time.process_time()
-    train_adapter(cfg, exclude=exclude, progress=False)
+    train_adapter(cfg, exclude=exclude, progress=False, recorder=TrajectoryRecorder())  # as `gradian train` does
     return out, time.process_time() - t0, False
 
 
@@ -228,16 +234,15 @@ def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_che
     res: dict[str, Any] = {"scenario": name, "seed": seed, "dir": str(d), "train_cpu_s": round(train_cpu, 2),
                            "adapter_reused": reused, "recipe": truth.get("train"), "methods": {}}
     default = default_preconditioner()
-    preconds = [m for m in methods if method_settings(m)[0] in PRECONDITIONERS]
+    preconds = [m for m in methods if m not in BASELINE_METHODS and method_settings(m)[0] in PRECONDITIONERS]
     if name == "null":
         preconds = [default]
     if default in preconds:
         preconds = [default] + [p for p in preconds if p != default]
     reports: dict[str, dict] = {}
     for p in preconds:
-        pname, n_ck = method_settings(p)
-        sets = [f"attribution.preconditioner={pname}", f"output=out-{p}"]
-        cfg = load_config(cfg_path, sets + ([f"attribution.checkpoints={n_ck}"] if n_ck is not None else []))
+        pname, extra = method_settings(p)
+        cfg = load_config(cfg_path, [f"attribution.preconditioner={pname}", f"output=out-{p}"] + extra)
         t0 = time.process_time()
         try:
             rep = attribute(cfg, truth=truth)
@@ -407,7 +412,7 @@ def acceptance(summary: dict, default: str) -> list[dict]:
             continue
         if fig == "cluster":
             fig = "auprc"  # baselines have no cluster test of their own; compare the poisons' AUPRC
-        for m in [default] + CHECKPOINT_METHODS:
+        for m in [default] + CHECKPOINT_METHODS + OPTIMIZER_METHODS:
             g = get(name, fig, m)
             tag = "" if m == default else f"[{m}]"
             for b in BASELINE_METHODS:
@@ -460,7 +465,7 @@ def main(argv=None) -> int:
     if args.seeds:
         seeds = [int(x) for x in args.seeds.split(",")]
         plan = {n: seeds for n in plan}
-    methods = (PRECONDITIONERS + CHECKPOINT_METHODS + BASELINE_METHODS) if not args.methods else [m.strip() for m in args.methods.split(",")]
+    methods = (PRECONDITIONERS + CHECKPOINT_METHODS + OPTIMIZER_METHODS + BASELINE_METHODS) if not args.methods else [m.strip() for m in args.methods.split(",")]
     single = args.single_checks if args.single_checks is not None else (0 if args.quick else 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

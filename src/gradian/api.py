@@ -38,9 +38,11 @@ def diagnose(cfg: ConfigLike) -> list:
 
 def train(cfg: ConfigLike) -> Path:
     """LoRA SFT with the config's `train.*` recipe (`gradian train`); returns the adapter directory."""
+    from .attribution.optimizer import TrajectoryRecorder
     from .training.loop import train_adapter
 
-    return train_adapter(_cfg(cfg))
+    # the optimizer's trajectory, for attribution.optimizer: adamw (a few adapter-sized tensors per epoch)
+    return train_adapter(_cfg(cfg), recorder=TrajectoryRecorder())
 
 
 def evaluate(cfg: ConfigLike):

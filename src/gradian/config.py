@@ -76,6 +76,9 @@ class AttributionConfig(_Section):
     # adapter alone; N: N of them, replayed from the adapter's Gradian recipe when fewer were saved.
     checkpoints: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     checkpoint_adapters: list[str] = Field(default_factory=list)
+    # adamw: scores that model the recorded AdamW run (momentum and second-moment coupling) in place of the
+    # preconditioned ones, for adapters `gradian train` recorded (attribution.optimizer).
+    optimizer: Literal["none", "adamw"] = "none"
 
 
 class TrainConfig(_Section):

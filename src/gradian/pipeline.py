@@ -17,6 +17,7 @@ import numpy as np
 
 from .attribution.accused import accused_set, none_accused
 from .attribution.checkpoints import over_checkpoints
+from .attribution.optimizer import over_trajectory
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, score_items
 from .attribution.queries import loglik_flags, query_items, select_failing
 from .attribution.rerank import parameter_directions
@@ -80,6 +81,10 @@ def score_stage(s: Session, ix: OpenIndex, qitems, direction: str) -> tuple[Scor
     settings = ScoringSettings.from_config(s.cfg, direction)
     sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
                      block_dims=block_dims_of(ix.index))
+    if s.cfg.attribution.optimizer == "adamw":
+        traj = over_trajectory(s, sc, qitems, settings)
+        if traj is not None:
+            return sc, traj
     return sc, over_checkpoints(s, sc, qitems, settings)
 
 
@@ -226,7 +231,7 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
     cfg = s.cfg
     sc, ck = score_stage(s, ix, qitems, direction)
     if ck is not None:
-        report["query"]["checkpoints"] = ck
+        report["query"]["optimizer" if "optimizer" in ck else "checkpoints"] = ck
     report["query"]["preconditioner"] = sc.precond.describe()
     report["windows"] = {
         "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),

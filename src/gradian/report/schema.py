@@ -146,6 +146,16 @@ class Checkpoints(_Model):
     rule: str = Field(description="How the checkpoints' scores were combined.")
 
 
+class OptimizerScores(_Model):
+    """Scores that model the recorded AdamW run (`attribution.optimizer: adamw`)."""
+
+    optimizer: Literal["adamw"] = Field(description="The optimizer modelled.")
+    epochs: int = Field(description="Epochs replayed at their recorded start weights.")
+    steps: int = Field(description="Optimizer steps of the recorded run.")
+    file: str = Field(description="The trajectory file beside the adapter.")
+    rule: str = Field(description="What the scores predict, in plain words.")
+
+
 class Query(_Model):
     """The query side: formulation, direction and the failing items."""
 
@@ -155,6 +165,8 @@ class Query(_Model):
     items: list[QueryItem] = Field(description="The failing items (empty unless attributed).")
     preconditioner: Preconditioner = _absent("The fitted preconditioner (attributed only).")
     checkpoints: Checkpoints = _absent("Present when scores were averaged over earlier checkpoints.")
+    optimizer: OptimizerScores = _absent("Present when the scores are the optimizer-aware ones "
+                                         "(`attribution.optimizer: adamw` and a recorded trajectory).")
 
 
 # ------------------------------------------------------------------------------------------------ index

@@ -45,7 +45,7 @@ def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[lis
 def train_adapter(
     cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
     progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
-    save_checkpoints: Optional[bool] = None,
+    save_checkpoints: Optional[bool] = None, recorder=None,
 ) -> Path:
     """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir.
 
@@ -55,7 +55,10 @@ def train_adapter(
 
     `save_checkpoints` (default: `train.save_checkpoints` for a fresh run, off for a retrain from a `recipe`) keeps
     the adapter of every earlier epoch inside the output, in `OUT/checkpoints/epoch-<k>`, where
-    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later)."""
+    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later).
+
+    `recorder` (an `attribution.optimizer.TrajectoryRecorder`) sees the optimizer after every step and writes what
+    it kept into the adapter directory at the end."""
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
@@ -85,6 +88,8 @@ def train_adapter(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    if recorder is not None:
+        recorder.start(model, params, opt)
     order = data_order(len(examples), hp["epochs"], hp["batch_size"], seed)
     pad = tok.pad_token_id
     device = next(model.parameters()).device
@@ -139,9 +144,13 @@ def train_adapter(
                 loss = (losses * weights.to(device)).sum() / n_tok
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                grad_norm = None
                 if hp.get("max_grad_norm"):
-                    torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
                 opt.step()
+                if recorder is not None:
+                    recorder.step(opt, epoch=e_no, positions=[i for i in batch if i not in excluded], n_tok=n_tok,
+                                  grad_norm=grad_norm, max_grad_norm=hp.get("max_grad_norm"))
                 bar.advance()
             if e_no in save_at and e_no < hp["epochs"]:
                 model.eval()
@@ -153,6 +162,8 @@ def train_adapter(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    if recorder is not None:
+        recorder.save(out_dir, n_rows=len(examples), dataset_fingerprint=fp)
     if save_at and save_at[-1] == hp["epochs"] and staging is None:
         save_adapter(model, Path(checkpoint_dir) / f"epoch-{hp['epochs']}", record(hp["epochs"]))
     return out_dir
