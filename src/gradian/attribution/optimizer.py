@@ -14,10 +14,14 @@ dropping a row lowers v where it had large gradients, so every other row's later
 
 What `gradian train` records (`TrajectoryRecorder`, written beside the adapter as `TRAJECTORY_FILE`) is what makes
 this scale: nothing per step but a few scalars (the step's rows, tokens, clip factor, learning rate) and nothing per
-row; per epoch three adapter-sized tensors: the LoRA weights at the epoch's start and the epoch's mean K1 and K2,
-accumulated forward during training (K1_t and K2_t are sums over later steps, so each epoch keeps a running
-b^(s-t) weight and adds every later step's term as it happens). Its size is that of three checkpoints per epoch,
-whatever the number of steps or rows.
+row; per epoch three adapter-sized tensors: the LoRA weights at the epoch's start, the epoch's mean K1 and its mean
+K2 weighted by g_t^2 (per coordinate). Both are sums over later steps, so each epoch keeps a running b^(s-t) weight
+and adds every later step's term as it happens. The g_t^2 weights matter: K2_t holds 1 / v_s, and a coordinate
+whose gradient starts at zero (every LoRA A while B is still 0) has a tiny v in its first steps, so a plain mean of
+K2 is dominated by steps where g_t o K2_t was small and blows up once multiplied by a later g_t (measured on the
+demo: a coupling term 10^5 times too large, LDS -0.09); weighted by g_t^2 the mean is what the product sees (LDS
+0.27, above the exact per-step predictor's 0.18 and the default's 0.14; bench/README.md). The recording is the size
+of three checkpoints per epoch, whatever the number of steps or rows.
 
 At attribution time (`trajectory_scores`) the epochs are replayed without training: at each epoch's start weights,
 each recorded step's rows get their exact per-example gradients g_z (as `bench/optimizer_aware.py` takes them),
@@ -57,9 +61,10 @@ class TrajectoryRecorder:
         self.params: list = []
         self.starts: dict[int, list] = {}
         self.k1: dict[int, list] = {}
-        self.k2: dict[int, list] = {}
+        self.k2: dict[int, list] = {}  # sum_t w_t K2_t over the epoch's steps t, w_t = g_t^2 (per coordinate)
+        self.w2: dict[int, list] = {}  # running sum_{t in e, t <= s} w_t b2^(s-t)
+        self.wsum: dict[int, list] = {}  # sum_t w_t
         self.r1: dict[int, float] = {}
-        self.r2: dict[int, float] = {}
         self.steps_in: dict[int, int] = {}
         self.meta: dict = {}
         self.steps: list[dict] = []
@@ -92,14 +97,13 @@ class TrajectoryRecorder:
         if epoch != self._epoch:  # the first step of an epoch: the weights before it are the epoch's start
             self._epoch = epoch
             self.starts[epoch] = [x.clone() for x in self._last]
-            self.k1[epoch] = [torch.zeros_like(x) for x in self._last]
-            self.k2[epoch] = [torch.zeros_like(x) for x in self._last]
-            self.r1[epoch] = self.r2[epoch] = 0.0
+            for acc in (self.k1, self.k2, self.w2, self.wsum):
+                acc[epoch] = [torch.zeros_like(x) for x in self._last]
+            self.r1[epoch] = 0.0
             self.steps_in[epoch] = 0
         self.steps_in[epoch] += 1
         for e in self.r1:
             self.r1[e] = b1 * self.r1[e] + (1.0 if e == epoch else 0.0)
-            self.r2[e] = b2 * self.r2[e] + (1.0 if e == epoch else 0.0)
         lr = float(opt.param_groups[0]["lr"])
         with torch.no_grad():
             for k, p in enumerate(self.params):
@@ -110,11 +114,15 @@ class TrajectoryRecorder:
                 x1 = (lr * (1 - b1) / (1 - b1 ** s)) / (v_hat.sqrt() + eps)
                 u = -lr * m_hat / (v_hat.sqrt() + eps)  # the Adam part of the update: what v enters
                 x2 = ((1 - b2) / (1 - b2 ** s)) * u / (v_hat + eps ** 2)
+                w = p.grad.detach().float().square() if p.grad is not None else torch.zeros_like(x2)
                 for e in self.k1:
                     if self.r1[e] > TINY:
                         self.k1[e][k].add_(x1, alpha=self.r1[e])
-                    if self.r2[e] > TINY:
-                        self.k2[e][k].add_(x2, alpha=self.r2[e])
+                    self.w2[e][k].mul_(b2)
+                    if e == epoch:
+                        self.w2[e][k].add_(w)
+                        self.wsum[e][k].add_(w)
+                    self.k2[e][k].add_(x2 * self.w2[e][k])
                 self._last[k].copy_(p.detach().float())
         clip = 1.0
         if max_grad_norm and grad_norm is not None:
@@ -123,13 +131,17 @@ class TrajectoryRecorder:
                            "clip": clip, "lr": lr})
 
     def tensors(self) -> dict:
+        import torch
+
         out = {}
         for e in sorted(self.starts):
             n = max(self.steps_in[e], 1)
             for k, (site, side) in enumerate(self.names):
                 out[f"start|{e}|{site}|{side}"] = self.starts[e][k].contiguous()
                 out[f"k1|{e}|{site}|{side}"] = (self.k1[e][k] / n).contiguous()
-                out[f"k2|{e}|{site}|{side}"] = (self.k2[e][k] / n).contiguous()
+                wsum = self.wsum[e][k]
+                out[f"k2|{e}|{site}|{side}"] = torch.where(wsum > 0, self.k2[e][k] / wsum.clamp_min(1e-38),
+                                                            torch.zeros_like(wsum)).contiguous()
         return out
 
     def save(self, adapter_dir: Path, *, n_rows: int, dataset_fingerprint: Optional[str]) -> Path:
