@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("GRADIAN_THREADS", "1")
 os.environ.setdefault("GRADIAN_PROGRESS", "0")
@@ -151,11 +152,107 @@ def correlations(g: np.ndarray, k: np.ndarray) -> dict:
             "pooled_pearson": float(pearsonr(gz, kz)[0]), "items": len(sp)}
 
 
+# ------------------------------------------------------------------------------------- real-shape memory
+# SmolLM-135M's shape (random weights, built in the process: nothing downloaded): 30 layers, hidden 576, 9 heads and
+# 3 KV heads, MLP 1536, vocabulary 49,152, tied embeddings; LoRA r 16 on all 7 projections (210 sites, 4.9M LoRA
+# weights) with a non-zero B.
+REAL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+def _vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def real_shape_probe(rows: int, tokens: int, memory_bytes: int, work: Path) -> dict:
+    """One measurement (run in its own process): peak RSS after building the model, and after fitting EK-FAC over
+    `rows` rows of `tokens` tokens (factors written beside a stand-in index directory and read back site by site
+    to precondition 8 queries)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gradian.attribution import ekfac
+    from gradian.grads.layout import exact_widths, site_shapes
+    from gradian.setup.model import lora_sites
+    from gradian.setup.tokenize import Tokenized
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**REAL_SHAPE))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    model.eval()
+    sites, _ = lora_sites(model, None)
+    g = torch.Generator().manual_seed(1)
+    toks = [Tokenized(torch.randint(5, REAL_SHAPE["vocab_size"], (tokens,), generator=g).tolist(),
+                      [False] * (tokens // 2) + [True] * (tokens - tokens // 2), "") for _ in range(rows)]
+    base_rss = _vm_hwm()
+    t0 = time.process_time()
+    grads = SimpleNamespace(model=model, sites=sites, toks=toks, batch_size=4, pad_id=0, chunk=1024)
+    root = work / f"factors-{rows}-{memory_bytes}"
+    shutil.rmtree(root, ignore_errors=True)
+    pre = ekfac.fit_or_load(grads, None, damping=None, root=root, memory_bytes=memory_bytes)
+    Q = np.random.default_rng(0).normal(size=(8, sum(exact_widths(site_shapes(sites))))).astype(np.float32)
+    pre.apply(Q)
+    cpu = time.process_time() - t0
+    size = sum(p.stat().st_size for p in root.glob(f"{ekfac.FACTORS_PREFIX}*.safetensors"))
+    shutil.rmtree(root, ignore_errors=True)
+    return {"rows": rows, "tokens_per_row": tokens, "memory_bytes": memory_bytes, "sites": len(sites),
+            "lora_params": sum(s.numel for s in sites), "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+            "peak_rss_model": base_rss, "peak_rss_ekfac": _vm_hwm(), "factor_file_bytes": size,
+            "groups": pre.info["groups"], "model_passes": pre.info["model_passes"], "cpu_s": round(cpu, 1)}
+
+
+def real_shape(work: Path, rows: list[int], tokens: int, budgets: list[int]) -> dict:
+    """Each (rows, budget) probe in its own process, so every peak is its own."""
+    import subprocess
+
+    out = []
+    for r in rows:
+        for b in budgets:
+            cmd = [sys.executable, __file__, "--_probe", json.dumps({"rows": r, "tokens": tokens, "memory_bytes": b,
+                                                                       "work": str(work)})]
+            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            if res.returncode != 0:
+                raise SystemExit(f"probe {r} rows, budget {b} failed:\n{res.stderr[-3000:]}")
+            out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    gib = 1 << 30
+    print(f"{'rows':>5s} {'budget GiB':>10s} {'groups':>6s} {'passes':>6s} {'peak model GB':>13s} "
+          f"{'peak ekfac GB':>13s} {'added GB':>8s} {'factors GB':>10s} {'CPU s':>7s}")
+    for x in out:
+        print(f"{x['rows']:5d} {x['memory_bytes'] / gib:10.2f} {x['groups']:6d} {x['model_passes']:6d} "
+              f"{x['peak_rss_model'] / 1e9:13.2f} {x['peak_rss_ekfac'] / 1e9:13.2f} "
+              f"{(x['peak_rss_ekfac'] - x['peak_rss_model']) / 1e9:8.2f} {x['factor_file_bytes'] / 1e9:10.2f} "
+              f"{x['cpu_s']:7.1f}")
+    return {"probes": out, "shape": REAL_SHAPE, "lora_r": 16}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "gradian-ekfac-check"),
                     help="scratch directory (the trained demo is kept and reused there)")
+    ap.add_argument("--real-shape", action="store_true",
+                    help="instead: peak RSS of the EK-FAC fit on a SmolLM-135M-shaped model (random weights, LoRA r 16 "
+                         "on all 7 projections) for 16 and 48 rows and two statistics budgets; kronfluence not needed")
+    ap.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args._probe:
+        kw = json.loads(args._probe)
+        print(json.dumps(real_shape_probe(kw["rows"], kw["tokens"], kw["memory_bytes"], Path(kw["work"]))))
+        return 0
+    if args.real_shape:
+        res = real_shape(Path(args.work), [16, 48], 64, [2 << 30, 256 << 20])
+        print(json.dumps({"bench": "ekfac_check", "schema": "gradian.bench.ekfac_check/1", "real_shape": res}))
+        return 0
     try:
         import kronfluence  # noqa: F401
     except ImportError:
@@ -178,10 +275,9 @@ def main(argv=None) -> int:
     ix = index_stage(s)
     try:
         # a fresh fit (not a cached one) so its time is measured
-        from gradian.attribution.ekfac import FACTORS_FILE, MANIFEST_FILE
+        from gradian.attribution.ekfac import clear_factors
 
-        for f in (FACTORS_FILE, MANIFEST_FILE):
-            (ix.index.root / f).unlink(missing_ok=True)
+        clear_factors(ix.index.root)
         t0 = time.process_time()
         sc = score_adapter(s, ix, qitems, direction, preconditioner="ekfac", windows=False)
         t_g = time.process_time() - t0

@@ -191,21 +191,27 @@ def _grads(model, sites, toks):
 
 
 def test_factors_are_cached_beside_the_index_and_refitted_when_corrupt_or_foreign(stats, tmp_path, caplog):
+    """One safetensors file per site group (a budget of ~3 sites' covariances here) and a manifest with their
+    sha256: reused bit for bit; a flipped bit, another training set or an unreadable manifest refits."""
     model, sites, toks, _, _ = stats
     g = _grads(model, sites, toks)
+    budget = 3 * 4 * ekfac._site_numel2(ekfac.site_shapes(sites)[0])
     Q = np.random.default_rng(1).normal(size=(3, sum(exact_widths(sites))))
-    first = ekfac.fit_or_load(g, None, damping=None, root=tmp_path)
-    assert first.info["cache"] == "fitted" and (tmp_path / ekfac.FACTORS_FILE).exists()
-    again = ekfac.fit_or_load(g, None, damping=None, root=tmp_path)
+    first = ekfac.fit_or_load(g, None, damping=None, root=tmp_path, memory_bytes=budget)
+    files = sorted(tmp_path.glob(f"{ekfac.FACTORS_PREFIX}*.safetensors"))
+    assert first.info["cache"] == "fitted" and len(files) == first.info["groups"] > 1
+    again = ekfac.fit_or_load(g, None, damping=None, root=tmp_path, memory_bytes=budget)
     assert again.info["cache"] == "reused"
     want = first.apply(Q)
     np.testing.assert_array_equal(again.apply(Q), want)  # bit-identical: a rerun reads what the fit wrote
+    whole = ekfac.fit_or_load(g, None, damping=None)  # in memory, one group: the same factors
+    np.testing.assert_allclose(whole.apply(Q), want, rtol=1e-5)
 
-    data = bytearray((tmp_path / ekfac.FACTORS_FILE).read_bytes())
-    data[-5] ^= 0x40  # a flipped bit in a tensor
-    (tmp_path / ekfac.FACTORS_FILE).write_bytes(bytes(data))
+    data = bytearray(files[1].read_bytes())
+    data[-5] ^= 0x40  # a flipped bit in a tensor of the second group
+    files[1].write_bytes(bytes(data))
     with caplog.at_level("WARNING"):
-        fixed = ekfac.fit_or_load(g, None, damping=None, root=tmp_path)
+        fixed = ekfac.fit_or_load(g, None, damping=None, root=tmp_path, memory_bytes=budget)
     assert fixed.info["cache"].startswith("refitted") and "sha256" in fixed.info["cache"]
     assert "EK-FAC factors cannot be used" in caplog.text
     np.testing.assert_array_equal(fixed.apply(Q), want)  # deterministic: the refit gives the same bits
@@ -214,6 +220,7 @@ def test_factors_are_cached_beside_the_index_and_refitted_when_corrupt_or_foreig
     foreign = ekfac.fit_or_load(other, None, damping=None, root=tmp_path)
     assert "other sites, rows or settings" in foreign.info["cache"]
     assert not np.array_equal(foreign.apply(Q), want)
+    assert len(list(tmp_path.glob(f"{ekfac.FACTORS_PREFIX}*.safetensors"))) == 1  # the stale groups are gone
     (tmp_path / ekfac.MANIFEST_FILE).write_text("{not json")
     assert ekfac.fit_or_load(g, None, damping=None, root=tmp_path).info["cache"].startswith("refitted")
 

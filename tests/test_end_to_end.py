@@ -74,6 +74,16 @@ def test_the_accused_set_is_the_planted_rows(demo_run):
     assert acc["count"] < on_disk["settings"]["attribution"]["top_k"]
 
 
+def test_a_flag_names_the_checkpoints_the_scores_came_from(demo_run):
+    """attribution.checkpoints: auto found the epochs gradian train saved; the info flag says so."""
+    run, _, _, _ = demo_run
+    on_disk = json.loads((run / "report.json").read_text())
+    ck = on_disk["query"]["checkpoints"]
+    assert ck["source"] == "saved" and ck["count"] == 8
+    flag = next(f for f in on_disk["flags"] if f["id"] == "attribution.checkpoints_used")
+    assert flag["level"] == "info" and "8 checkpoints" in flag["message"] and "saved beside the adapter" in flag["message"]
+
+
 def test_a_row_duplicating_a_query_item_ranks_first_as_helpful(demo_run, tmp_path):
     run, cfg_path, truth, _ = demo_run
     work = tmp_path / "dup"

@@ -232,6 +232,7 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
     sc, ck = score_stage(s, ix, qitems, direction)
     if ck is not None:
         report["query"]["optimizer" if "optimizer" in ck else "checkpoints"] = ck
+    s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, ck))
     report["query"]["preconditioner"] = sc.precond.describe()
     report["windows"] = {
         "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
@@ -262,6 +263,23 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
                          **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
         })
     return sc
+
+
+def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
+    """Which adapters the scores come from, in one sentence (the `attribution.checkpoints_used` flag)."""
+    if ck is not None and "optimizer" in ck:
+        return (f"optimizer-aware scores (attribution.optimizer: adamw): the recorded AdamW run replayed over its "
+                f"{ck['epochs']} epochs")
+    if ck is not None:
+        how = {"saved": "saved beside the adapter (no training)", "replayed": "replayed once from the adapter's "
+               "Gradian recipe", "attribution.checkpoint_adapters": "listed in attribution.checkpoint_adapters"}
+        return (f"scores averaged over {ck['count']} checkpoints ({', '.join(ck['labels'])}), the earlier ones "
+                f"{how.get(ck['source'], ck['source'])}")
+    if cfg.attribution.checkpoints == "auto":
+        return ("the final adapter alone: attribution.checkpoints is auto and no checkpoint was saved beside the "
+                "adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
+    return "the final adapter alone (attribution.checkpoints: 1)" if cfg.attribution.checkpoints == 1 else \
+        "the final adapter alone: no earlier checkpoint could be had"
 
 
 def _self_influence(ix: OpenIndex) -> np.ndarray:

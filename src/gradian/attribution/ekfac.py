@@ -23,8 +23,9 @@ accumulates the covariances of a group of sites (float32 sums, at most `memory_b
 groups mean more passes, never more memory), then the correction streams the rows' exact per-example gradients:
 read from the index when it is exact and float32, else from a second model pass. Nothing grows with rows.
 
-The fitted factors live beside the index (`FACTORS_FILE`, safetensors, its sha256 and what it was fitted for in
-`MANIFEST_FILE`); a file fitted for other sites or rows, or whose bytes no longer match the sha256, is refitted.
+The fitted factors live beside the index, one safetensors file per site group (written as the group is fitted, so
+memory holds one group's factors at a time), their sha256 and what they were fitted for in `MANIFEST_FILE`, written
+last; factors fitted for other sites or rows, or whose bytes no longer match the sha256, are refitted.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 KIND = "ekfac"
 SCHEMA = "gradian.ekfac/1"
 EKFAC_VERSION = 1  # bump when the statistics change for the same settings: cached factors become foreign
-FACTORS_FILE = "ekfac_factors.safetensors"
+FACTORS_PREFIX = "ekfac_factors-"  # one safetensors file per site group: ekfac_factors-0000.safetensors, ...
 MANIFEST_FILE = "ekfac_factors.json"
 DEFAULT_DAMPING = 0.1  # x the mean corrected eigenvalue of each module: kronfluence's heuristic
 DEFAULT_MEMORY_BYTES = 2 << 30  # covariance sums held at a time (float32); more sites than that take more passes
@@ -141,31 +142,31 @@ def site_groups(sites: Sequence[SiteShape], memory_bytes: int) -> list[list[int]
 
 
 class FactorStore:
-    """The fitted factors of every site, in memory or read site by site from the safetensors file."""
+    """The fitted factors of every site, in memory or read site by site from the group files beside the index."""
 
-    def __init__(self, sites: Sequence[SiteShape], memory: Optional[dict] = None, path: Optional[Path] = None):
+    def __init__(self, sites: Sequence[SiteShape], memory: Optional[dict] = None,
+                 files: Optional[dict[int, Path]] = None):
         self.sites = list(sites)
         self._mem = memory
-        self.path = Path(path) if path is not None else None
+        self.files = files or {}  # site index -> the safetensors file holding it
         self._lam: dict = {}
+
+    def _read(self, i: int, side: str, what: str) -> np.ndarray:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[i]), framework="numpy") as f:
+            return f.get_tensor(f"{i}|{side}|{what}")
 
     def module(self, i: int, side: str) -> ModuleFactors:
         if self._mem is not None:
             return self._mem[(i, side)]
-        from safetensors import safe_open
-
-        with safe_open(str(self.path), framework="numpy") as f:
-            return ModuleFactors(f.get_tensor(f"{i}|{side}|left"), f.get_tensor(f"{i}|{side}|right"),
-                                 f.get_tensor(f"{i}|{side}|lam").astype(np.float64))
+        return ModuleFactors(self._read(i, side, "left"), self._read(i, side, "right"), self.lam(i, side))
 
     def lam(self, i: int, side: str) -> np.ndarray:
         if self._mem is not None:
             return self._mem[(i, side)].lam
         if (i, side) not in self._lam:
-            from safetensors import safe_open
-
-            with safe_open(str(self.path), framework="numpy") as f:
-                self._lam[(i, side)] = f.get_tensor(f"{i}|{side}|lam").astype(np.float64)
+            self._lam[(i, side)] = self._read(i, side, "lam").astype(np.float64)
         return self._lam[(i, side)]
 
 
@@ -287,12 +288,17 @@ def covariance_pass(model, sites, toks, positions, batch_size: int, pad_id: int,
 
 
 def _bases(sums: dict) -> dict:
-    """Per site and module: (left, right) eigenbases, float64. A: left from its output gradients (r x r), right
-    from its inputs (d_in x d_in); B: left from its output gradients (d_out x d_out), right from its inputs (r x r)."""
+    """Per site and module: (left, right) eigenbases (float32, decomposed in float64). A: left from its output
+    gradients (r x r), right from its inputs (d_in x d_in); B: left from its output gradients (d_out x d_out),
+    right from its inputs (r x r). Each covariance is dropped once decomposed, so a group never holds both."""
     out = {}
-    for i, acc in sums.items():
-        out[(i, "A")] = (eigenbasis(acc["A_grad"].double().cpu().numpy()), eigenbasis(acc["A_act"].double().cpu().numpy()))
-        out[(i, "B")] = (eigenbasis(acc["B_grad"].double().cpu().numpy()), eigenbasis(acc["B_act"].double().cpu().numpy()))
+    for i in list(sums):
+        acc = sums.pop(i)
+        for sd in SIDES:
+            g, a = acc.pop(f"{sd}_grad"), acc.pop(f"{sd}_act")
+            out[(i, sd)] = (eigenbasis(g.double().cpu().numpy()).astype(np.float32),
+                            eigenbasis(a.double().cpu().numpy()).astype(np.float32))
+            del g, a
     return out
 
 
@@ -340,9 +346,11 @@ def correction_from_rows(rows, all_sites: Sequence[SiteShape], group: Sequence[i
 
 
 def fit_factors(model, sites, toks, *, batch_size: int, pad_id: int, chunk: int, rows=None,
-                memory_bytes: int = DEFAULT_MEMORY_BYTES, progress: bool = True) -> tuple[dict, dict]:
+                memory_bytes: int = DEFAULT_MEMORY_BYTES, progress: bool = True, sink=None) -> tuple[dict, dict]:
     """Every site's factors {(site, side): ModuleFactors} and how they were computed. `rows`, an exact float32
-    `RowSource` over the same training rows, serves the correction (no second model pass); None: a model pass."""
+    `RowSource` over the same training rows, serves the correction (no second model pass); None: a model pass.
+    `sink(group, site indices, factors)`, when given, receives each group's factors as they are fitted (and
+    nothing is kept here): what holds memory to one group."""
     from ..progress import progress_bar
     from ..setup.batches import length_order
 
@@ -351,25 +359,25 @@ def fit_factors(model, sites, toks, *, batch_size: int, pad_id: int, chunk: int,
     groups = site_groups(shapes, memory_bytes)
     positions = length_order(toks)  # the index's batches: the same bits on every run
     n = len(toks)
-    per_group = 2 * n
     out: dict = {}
     tokens = 0
-    with progress_bar("ekfac factors", total=per_group * len(groups)) as bar:
-        for grp in groups:
+    with progress_bar("ekfac factors", total=2 * n * len(groups)) as bar:
+        for gi, grp in enumerate(groups):
             gsites = [sites[i] for i in grp]
             stats = covariance_pass(model, gsites, toks, positions, batch_size, pad_id, chunk, bar)
             tokens = stats["tokens"]
-            bases = _bases(stats["sums"])
-            del stats
+            bases = _bases(stats.pop("sums"))
             if rows is not None:
                 lam = correction_from_rows(rows, shapes, grp, bases, bar)
             else:
                 lam = correction_from_model(model, gsites, toks, positions, batch_size, pad_id, chunk, bases, bar)
-            for j, i in enumerate(grp):
-                for sd in SIDES:
-                    left, right = bases[(j, sd)]
-                    out[(i, sd)] = ModuleFactors(left.astype(np.float32), right.astype(np.float32),
-                                                 lam[(j, sd)] / max(n, 1))
+            got = {(i, sd): ModuleFactors(*bases.pop((j, sd)), lam.pop((j, sd)) / max(n, 1))
+                   for j, i in enumerate(grp) for sd in SIDES}
+            if sink is None:
+                out.update(got)
+            else:
+                sink(gi, grp, got)
+            del got, bases, lam
     info = {"rows": n, "tokens": tokens, "groups": len(groups),
             "model_passes": len(groups) * (1 if rows is not None else 2),
             "correction": "index rows" if rows is not None else "model pass", "fit_seconds": round(time.time() - t0, 3)}
@@ -387,11 +395,15 @@ def factor_spec(sites: Sequence[SiteShape], row_keys: Sequence[str], *, batch_si
             "rows": len(row_keys), "rows_sha256": h, "batch_size": int(batch_size), "correction": correction}
 
 
-def save_factors(root: Path, factors: dict, spec: dict, info: dict) -> str:
-    """Write the factors (safetensors, renamed into place) and the small manifest with their sha256."""
+def group_file(g: int) -> str:
+    return f"{FACTORS_PREFIX}{g:04d}.safetensors"
+
+
+def write_group(root: Path, g: int, group: Sequence[int], factors: dict, spec: dict) -> tuple[str, str]:
+    """One group's factors as safetensors (temporary name, then renamed); (file name, sha256)."""
     from safetensors.numpy import save_file
 
-    from ..io import atomic_write_text, sha256_file
+    from ..io import sha256_file
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -400,61 +412,92 @@ def save_factors(root: Path, factors: dict, spec: dict, info: dict) -> str:
         tensors[f"{i}|{sd}|left"] = np.ascontiguousarray(f.left, dtype=np.float32)
         tensors[f"{i}|{sd}|right"] = np.ascontiguousarray(f.right, dtype=np.float32)
         tensors[f"{i}|{sd}|lam"] = np.ascontiguousarray(f.lam, dtype=np.float64)
+    name = group_file(g)
     # Not the index's ".tmp-" prefix: `GradientIndex.open` deletes those as a killed writer's debris.
-    tmp = root / f".ekfac-tmp-{FACTORS_FILE}.{os.getpid()}"
+    tmp = root / f".ekfac-tmp-{name}.{os.getpid()}"
     try:
-        save_file(tensors, str(tmp), metadata={"schema": SCHEMA, "spec": json.dumps(spec, sort_keys=True)})
+        save_file(tensors, str(tmp), metadata={"schema": SCHEMA, "spec": json.dumps(spec, sort_keys=True),
+                                               "group": str(g), "sites": json.dumps(list(map(int, group)))})
         sha = sha256_file(tmp)
-        os.replace(tmp, root / FACTORS_FILE)
+        os.replace(tmp, root / name)
     finally:
         tmp.unlink(missing_ok=True)
-    atomic_write_text(root / MANIFEST_FILE, json.dumps({"schema": SCHEMA, "file": FACTORS_FILE, "sha256": sha,
-                                                        "spec": spec, "fit": info}, indent=1, sort_keys=True))
-    return sha
+    return name, sha
+
+
+def write_manifest(root: Path, spec: dict, files: list[dict], info: dict) -> None:
+    """The manifest last, so a killed fit leaves no manifest naming half-written groups; stale group files of an
+    earlier fit go."""
+    from ..io import atomic_write_text
+
+    root = Path(root)
+    atomic_write_text(root / MANIFEST_FILE, json.dumps({"schema": SCHEMA, "files": files, "spec": spec, "fit": info},
+                                                       indent=1, sort_keys=True))
+    keep = {f["file"] for f in files}
+    for p in root.glob(f"{FACTORS_PREFIX}*.safetensors"):
+        if p.name not in keep:
+            p.unlink(missing_ok=True)
+
+
+def clear_factors(root: Path) -> None:
+    """Remove the stored factors (a fresh fit follows)."""
+    root = Path(root)
+    (root / MANIFEST_FILE).unlink(missing_ok=True)
+    for p in root.glob(f"{FACTORS_PREFIX}*.safetensors"):
+        p.unlink(missing_ok=True)
 
 
 def load_factors(root: Path, spec: dict, sites: Sequence[SiteShape]) -> tuple[FactorStore, dict]:
-    """The stored factors when they were fitted for `spec` and their bytes match the manifest's sha256; else
-    ValueError saying why (the caller refits)."""
+    """The stored factors when they were fitted for `spec` and every group file's bytes match the manifest's
+    sha256; else ValueError saying why (the caller refits)."""
     from safetensors import safe_open
 
     from ..io import sha256_file
 
     root = Path(root)
-    mf, path = root / MANIFEST_FILE, root / FACTORS_FILE
+    mf = root / MANIFEST_FILE
     try:
         manifest = json.loads(mf.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{mf}: unreadable ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or not isinstance(manifest.get("files"), list):
         raise ValueError(f"{mf}: not a {SCHEMA} manifest")
     if manifest.get("spec") != spec:
-        raise ValueError(f"{path}: fitted for other sites, rows or settings")
-    try:
-        sha = sha256_file(path)
-    except OSError as e:
-        raise ValueError(f"{path}: unreadable ({e})") from None
-    if sha != manifest.get("sha256"):
-        raise ValueError(f"{path}: sha256 {sha[:16]}... does not match the manifest's {str(manifest.get('sha256'))[:16]}...")
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            names = set(f.keys())
-    except Exception as e:  # safetensors raises its own error types for a malformed file
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-    if json.loads(meta.get("spec", "null")) != spec:
-        raise ValueError(f"{path}: its header names other settings than the manifest")
-    need = {f"{i}|{sd}|{k}" for i in range(len(sites)) for sd in SIDES for k in ("left", "right", "lam")}
-    if not need <= names:
-        raise ValueError(f"{path}: {len(need - names)} factor tensors are missing")
-    return FactorStore(sites, path=path), {**(manifest.get("fit") or {}), "sha256": sha}
+        raise ValueError(f"{mf}: the factors were fitted for other sites, rows or settings")
+    files: dict[int, Path] = {}
+    for entry in manifest["files"]:
+        path = root / str(entry.get("file"))
+        try:
+            sha = sha256_file(path)
+        except OSError as e:
+            raise ValueError(f"{path}: unreadable ({e})") from None
+        if sha != entry.get("sha256"):
+            raise ValueError(f"{path}: sha256 {sha[:16]}... does not match the manifest's "
+                             f"{str(entry.get('sha256'))[:16]}...")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                names = set(f.keys())
+        except Exception as e:  # safetensors raises its own error types for a malformed file
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        if json.loads(meta.get("spec", "null")) != spec:
+            raise ValueError(f"{path}: its header names other settings than the manifest")
+        for i in entry.get("sites") or []:
+            need = {f"{i}|{sd}|{k}" for sd in SIDES for k in ("left", "right", "lam")}
+            if not need <= names:
+                raise ValueError(f"{path}: the factors of site {i} are missing")
+            files[int(i)] = path
+    if sorted(files) != list(range(len(sites))):
+        raise ValueError(f"{mf}: names the factors of {len(files)} of {len(sites)} sites")
+    return FactorStore(sites, files=files), {**(manifest.get("fit") or {}), "files": len(manifest["files"])}
 
 
 def fit_or_load(grads, rows, *, damping: Optional[float], root: Optional[Path] = None,
                 memory_bytes: int = DEFAULT_MEMORY_BYTES) -> EkfacPreconditioner:
     """The EK-FAC preconditioner of `grads`' adapter (an `engine.ModelGradients`) over its training rows: loaded
     from `root` (the index directory) when the stored factors were fitted for these sites and rows, else fitted
-    and stored there. `rows` (a `RowSource`) serves the correction when it holds exact float32 gradients."""
+    and stored there, group by group. `rows` (a `RowSource`) serves the correction when it holds exact float32
+    gradients."""
     shapes = site_shapes(grads.sites)
     exact_rows = rows is not None and rows.dim == sum(exact_widths(shapes)) and _float32(rows)
     correction = "index rows" if exact_rows else "model pass"
@@ -465,20 +508,29 @@ def fit_or_load(grads, rows, *, damping: Optional[float], root: Optional[Path] =
     if root is not None and (Path(root) / MANIFEST_FILE).exists():
         try:
             store, info = load_factors(root, spec, shapes)
-            return EkfacPreconditioner(store, d, {**info, "cache": "reused", "file": str(Path(root) / FACTORS_FILE)})
+            return EkfacPreconditioner(store, d, {**info, "cache": "reused", "dir": str(root)})
         except ValueError as e:
             why = str(e)
             log.warning("EK-FAC factors cannot be used (%s); fitting them again", e)
-    factors, info = fit_factors(grads.model, grads.sites, grads.toks, batch_size=grads.batch_size,
-                                pad_id=grads.pad_id, chunk=grads.chunk, rows=rows if exact_rows else None,
-                                memory_bytes=memory_bytes)
-    info = {**info, "cache": "fitted" if why is None else f"refitted: {why}"}
+    kw = dict(batch_size=grads.batch_size, pad_id=grads.pad_id, chunk=grads.chunk, rows=rows if exact_rows else None,
+              memory_bytes=memory_bytes)
     if root is None:
-        return EkfacPreconditioner(FactorStore(shapes, memory=factors), d, info)
-    sha = save_factors(root, factors, spec, info)
-    del factors  # the file serves the queries site by site
-    return EkfacPreconditioner(FactorStore(shapes, path=Path(root) / FACTORS_FILE), d,
-                               {**info, "sha256": sha, "file": str(Path(root) / FACTORS_FILE)})
+        factors, info = fit_factors(grads.model, grads.sites, grads.toks, **kw)
+        return EkfacPreconditioner(FactorStore(shapes, memory=factors), d,
+                                   {**info, "cache": "fitted" if why is None else f"refitted: {why}"})
+    (Path(root) / MANIFEST_FILE).unlink(missing_ok=True)  # what follows replaces it
+    files: list[dict] = []
+    paths: dict[int, Path] = {}
+
+    def sink(g, group, got):
+        name, sha = write_group(root, g, group, got, spec)
+        files.append({"file": name, "sha256": sha, "sites": list(map(int, group))})
+        paths.update({int(i): Path(root) / name for i in group})
+
+    _, info = fit_factors(grads.model, grads.sites, grads.toks, sink=sink, **kw)
+    write_manifest(root, spec, files, info)
+    info = {**info, "cache": "fitted" if why is None else f"refitted: {why}", "files": len(files), "dir": str(root)}
+    return EkfacPreconditioner(FactorStore(shapes, files=paths), d, info)
 
 
 def _float32(rows) -> bool:
