@@ -49,3 +49,24 @@ def test_constant_scores_fall_back_to_the_mean_deviation_or_accuse_nobody():
     s[7] = 5.0
     assert accused_set(s)["positions"] == [7]  # MAD 0: the mean absolute deviation sets the scale
     assert accused_count(np.ones(50)) == 0
+
+
+def test_verify_drops_the_accused_set_by_default(tmp_path):
+    """verify's default K is the report's accused count; a report without one falls back to truth.json's planted
+    rows, then to min(top_k, 5% of the rows)."""
+    import json
+
+    from gradian.config import config_from_dict
+    from gradian.validate.verify import default_top_k
+
+    cfg = config_from_dict({"model": {"base": "b"}, "data": {"train": "t.jsonl"}, "output": "out"}, root=tmp_path)
+    report = {"accused": {"count": 7, "positions": list(range(7))}, "truth": {"planted": [1, 2, 3]}}
+    k, rule = default_top_k(cfg, report, 1000)
+    assert k == 7 and "accused" in rule
+    assert default_top_k(cfg, {"accused": {"count": 0}, "truth": {"planted": [1, 2, 3]}}, 1000)[0] == 3
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "truth.json").write_text(json.dumps({"planted": [4, 5]}))
+    assert default_top_k(cfg, {}, 1000)[0] == 2
+    (tmp_path / "out" / "truth.json").unlink()
+    assert default_top_k(cfg, {}, 1000) == (50, "min(attribution.top_k, 5% of the rows)")
+    assert default_top_k(cfg, {}, 300)[0] == 15
