@@ -60,6 +60,30 @@ def test_planted_rows_rank_at_the_top_as_harmful(demo_run):
     assert all(scores[p] > 0 for p in truth["planted"])  # harmful has a positive score
 
 
+def test_the_accused_set_is_the_planted_rows(demo_run):
+    """The accused count comes from the scores (outliers of the other rows' scores), not from attribution.top_k:
+    on the demo it is the 10 planted rows (measured: 10, every one planted; the lowest planted row's robust z is
+    87, the highest benign row's 6.2), and the report's ranking marks them."""
+    run, _, truth, _ = demo_run
+    on_disk = json.loads((run / "report.json").read_text())
+    acc = on_disk["accused"]
+    planted = set(truth["planted"])
+    assert len(planted) / 2 <= acc["count"] <= 2 * len(planted), acc
+    assert len(set(acc["positions"]) & planted) >= 0.9 * acc["count"]
+    assert [r["accused"] for r in on_disk["ranking"]] == [r["rank"] <= acc["count"] for r in on_disk["ranking"]]
+    assert acc["count"] < on_disk["settings"]["attribution"]["top_k"]
+
+
+def test_a_flag_names_the_checkpoints_the_scores_came_from(demo_run):
+    """attribution.checkpoints: auto found the epochs gradian train saved; the info flag says so."""
+    run, _, _, _ = demo_run
+    on_disk = json.loads((run / "report.json").read_text())
+    ck = on_disk["query"]["checkpoints"]
+    assert ck["source"] == "saved" and ck["count"] == 8
+    flag = next(f for f in on_disk["flags"] if f["id"] == "attribution.checkpoints_used")
+    assert flag["level"] == "info" and "8 checkpoints" in flag["message"] and "saved beside the adapter" in flag["message"]
+
+
 def test_a_row_duplicating_a_query_item_ranks_first_as_helpful(demo_run, tmp_path):
     run, cfg_path, truth, _ = demo_run
     work = tmp_path / "dup"

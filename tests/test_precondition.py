@@ -188,7 +188,8 @@ def _per_item_scores(run: Path, cfg_path: Path, settings, *, checkpoints: bool =
 def demo_per_item(tmp_path_factory):
     run = tmp_path_factory.mktemp("precond-demo")
     return _per_item_scores(run, trained_demo(run), [("identity", None), ("diagonal", None), ("fisher", None),
-                                                     ("datainf", None), ("fisher", 0.1)], checkpoints=True)
+                                                     ("datainf", None), ("ekfac", None), ("fisher", 0.1)],
+                            checkpoints=True)
 
 
 def _figures(per_item, truth, qitems):
@@ -202,7 +203,7 @@ def _figures(per_item, truth, qitems):
     return recall_at_k(agg, planted, 10), auprc(agg, planted), float(top1)
 
 
-@pytest.mark.parametrize("kind", ["identity", "diagonal", "fisher", "datainf"])
+@pytest.mark.parametrize("kind", ["identity", "diagonal", "fisher", "datainf", "ekfac"])
 def test_default_damping_finds_the_planted_rows_on_the_demo(demo_per_item, kind):
     """Scores as `attribute` reports them (averaged over the saved epoch checkpoints). Measured under the native
     (AVX512), `ATEN_CPU_CAPABILITY=default` and `avx2` kernels: recall@10 1.0 and AUPRC 1.0 for every kind, per-item

@@ -39,9 +39,11 @@ def diagnose(cfg: ConfigLike) -> list:
 def train(cfg: ConfigLike) -> Path:
     """LoRA SFT with the config's `train.*` recipe (`gradian train`) through `train.backend` (or `train.command`);
     returns the adapter directory."""
+    from .attribution.optimizer import TrajectoryRecorder
     from .training.backends import run_training
 
-    return run_training(_cfg(cfg))
+    # the optimizer's trajectory, for attribution.optimizer: adamw (a few adapter-sized tensors per epoch)
+    return run_training(_cfg(cfg), recorder=TrajectoryRecorder())
 
 
 def evaluate(cfg: ConfigLike):

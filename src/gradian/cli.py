@@ -192,9 +192,9 @@ def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run dire
 
 @app.command()
 def verify(config: Path, set: Optional[List[str]] = SetOpt,
-           top_k: Optional[int] = typer.Option(None, "--top-k", help="Accused rows to drop (default: the number of "
-                                               "planted rows if OUT/truth.json exists, else min(attribution.top_k, "
-                                               "5% of the rows))"),
+           top_k: Optional[int] = typer.Option(None, "--top-k", help="Accused rows to drop (default: the report's "
+                                               "accused set; without one, the planted rows of OUT/truth.json, else "
+                                               "min(attribution.top_k, 5% of the rows))"),
            controls: int = typer.Option(3, "--controls", min=0, help="Random-k control retrains"),
            keep_adapters: bool = typer.Option(False, "--keep-adapters", help="Keep the retrained adapters under "
                                               "OUT/verify/"),

@@ -71,7 +71,7 @@ class EvaluationConfig(_Section):
 
 class AttributionConfig(_Section):
     query: Literal["contrastive", "classic"] = "contrastive"
-    preconditioner: Literal["identity", "diagonal", "fisher", "datainf"] = "diagonal"
+    preconditioner: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"] = "diagonal"
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)
@@ -80,6 +80,9 @@ class AttributionConfig(_Section):
     # adapter alone; N: N of them, replayed from the adapter's Gradian recipe when fewer were saved.
     checkpoints: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
     checkpoint_adapters: list[str] = Field(default_factory=list)
+    # adamw: scores that model the recorded AdamW run (momentum and second-moment coupling) in place of the
+    # preconditioned ones, for adapters `gradian train` recorded (attribution.optimizer).
+    optimizer: Literal["none", "adamw"] = "none"
 
 
 class TrainConfig(_Section):

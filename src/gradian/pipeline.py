@@ -15,7 +15,9 @@ from typing import Optional
 
 import numpy as np
 
+from .attribution.accused import accused_set, none_accused
 from .attribution.checkpoints import over_checkpoints
+from .attribution.optimizer import over_trajectory
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, score_items
 from .attribution.queries import loglik_flags, query_items, select_failing
 from .attribution.rerank import parameter_directions
@@ -83,6 +85,10 @@ def score_stage(s: Session, ix: OpenIndex, qitems, direction: str) -> tuple[Scor
     settings = ScoringSettings.from_config(s.cfg, direction)
     sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
                      block_dims=block_dims_of(ix.index))
+    if s.cfg.attribution.optimizer == "adamw":
+        traj = over_trajectory(s, sc, qitems, settings)
+        if traj is not None:
+            return sc, traj
     return sc, over_checkpoints(s, sc, qitems, settings)
 
 
@@ -145,6 +151,8 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
             s.flag(*f)
     report["query"] = {"formulation": cfg.attribution.query, "direction": direction, "items": []}
     scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
+    accused = none_accused("the verdict is declined: the capability did not move measurably" if verdict == "declined"
+                           else "a smoke test (no eval set): the ranking shows gradient outliers, not causes")
     if verdict != "declined":
         ix = index_stage(s)
         flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
@@ -163,6 +171,10 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         with memory_guard("base_scores"):
             ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
         s.timings["base_scores"] = round(time.time() - t0, 3)
+        if sc is not None:
+            accused = accused_set(scores, order if order is not None else rank(scores), limit=cfg.attribution.top_k)
+            for row in ranking:
+                row["accused"] = row["rank"] <= accused["count"]
         if sc is not None and ranking:
             t0 = time.time()
             with memory_guard("spans"):
@@ -186,6 +198,7 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         "verdict": verdict,
         "verdict_text": verdict_text(verdict, cap, len(qitems), direction),
         "ranking": ranking,
+        "accused": accused,
         "clusters": clusters,
         "spans": spans_out,
         "scores_summary": score_summary(scores) if scores is not None else {"n": 0},
@@ -230,7 +243,8 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
     cfg = s.cfg
     sc, ck = score_stage(s, ix, qitems, direction)
     if ck is not None:
-        report["query"]["checkpoints"] = ck
+        report["query"]["optimizer" if "optimizer" in ck else "checkpoints"] = ck
+    s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, ck))
     report["query"]["preconditioner"] = sc.precond.describe()
     report["windows"] = {
         "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
@@ -261,6 +275,23 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
                          **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
         })
     return sc
+
+
+def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
+    """Which adapters the scores come from, in one sentence (the `attribution.checkpoints_used` flag)."""
+    if ck is not None and "optimizer" in ck:
+        return (f"optimizer-aware scores (attribution.optimizer: adamw): the recorded AdamW run replayed over its "
+                f"{ck['epochs']} epochs")
+    if ck is not None:
+        how = {"saved": "saved beside the adapter (no training)", "replayed": "replayed once from the adapter's "
+               "Gradian recipe", "attribution.checkpoint_adapters": "listed in attribution.checkpoint_adapters"}
+        return (f"scores averaged over {ck['count']} checkpoints ({', '.join(ck['labels'])}), the earlier ones "
+                f"{how.get(ck['source'], ck['source'])}")
+    if cfg.attribution.checkpoints == "auto":
+        return ("the final adapter alone: attribution.checkpoints is auto and no checkpoint was saved beside the "
+                "adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
+    return "the final adapter alone (attribution.checkpoints: 1)" if cfg.attribution.checkpoints == 1 else \
+        "the final adapter alone: no earlier checkpoint could be had"
 
 
 def _self_influence(ix: OpenIndex) -> np.ndarray:

@@ -28,12 +28,13 @@ from ..projection import Projector
 from ..setup.batches import batches
 from ..store.rows import RowSource
 from . import directions as dirs_
+from . import ekfac
 from . import rerank as rr
 from . import windows as win
 from .directions import BackProjected
 from .precondition import Preconditioner
 from .queries import query_vectors
-from .scoring import Scores, aggregate, item_scores, score
+from .scoring import Scores, aggregate, item_scores, score, score_directions
 
 
 @dataclass(frozen=True)
@@ -201,17 +202,23 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
     """Per-item scores [Q, N] of every row, with the best windows of long rows and, for a projected index, the top
     `settings.rerank` rows re-scored exactly and a sample of rows measuring projected-vs-exact agreement."""
     t0 = time.time()
-    q = grads.query_vectors(qitems)
-    pre = fit_preconditioner(settings.preconditioner, settings.damping, rows, block_dims)
-    sc = score(q, rows, pre, settings.direction)
-    grads.timings["precondition"] = round(time.time() - t0, 3)
     projector = grads.capture.projector
+    q_ex = None
+    if settings.preconditioner == ekfac.KIND:
+        sc, q, q_ex = _ekfac_scores(grads, rows, qitems, settings)
+    else:
+        q = grads.query_vectors(qitems)
+        pre = fit_preconditioner(settings.preconditioner, settings.damping, rows, block_dims)
+        sc = score(q, rows, pre, settings.direction)
+    grads.timings["precondition"] = round(time.time() - t0, 3)
     if settings.windows:
         _windows(grads, sc, projector)
     if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
         return sc
-    sc.e, sc.r = rr.exact_directions(sc, q, grads.exact_queries(qitems), projector.site_dims(),
-                                     exact_widths(grads.sites), settings.direction)
+    # EK-FAC's exact queries are already preconditioned (in memory: [Q, D_exact]); the others come in blocks
+    exact_q = q_ex if q_ex is not None else grads.exact_queries(qitems)
+    sc.e, sc.r = rr.exact_directions(sc, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
+                                     settings.direction)
     n = rows.n
     cand = rr.candidates(sc.rank_agg, settings.rerank)
     sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
@@ -232,6 +239,21 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
         proj_s = item_scores(rows.subset(sample).inner(sc.unit), settings.direction)
         sc.fidelity = rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size))
     return sc
+
+
+def _ekfac_scores(grads: ModelGradients, rows: RowSource, qitems, settings: ScoringSettings):
+    """EK-FAC works in parameter space: the exact queries are preconditioned, then projected into the index's space
+    and scaled by their exact norms. Returns the scores, the index-space queries and the preconditioned exact ones
+    (what an exact re-rank scores candidates with)."""
+    q_ex = grads.query_vectors(qitems, exact=True)
+    root = rows.index.root if rows.index is not None else None
+    pre = ekfac.fit_or_load(grads, rows, damping=settings.damping, root=root)
+    qp_ex = pre.apply(q_ex)
+    norms = np.linalg.norm(qp_ex, axis=1)
+    projector = grads.capture.projector
+    q = pre.to_index(q_ex, projector)
+    unit = pre.to_index(qp_ex, projector) / np.maximum(norms, 1e-30)[:, None]
+    return score_directions(unit, norms, rows, pre, settings.direction), q, qp_ex
 
 
 def _windows(grads: ModelGradients, sc: Scores, projector) -> None:

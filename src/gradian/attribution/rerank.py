@@ -73,6 +73,8 @@ def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_width
         return ExactPart(exact_queries, np.full(Q, harm_factor(direction)), exact_widths, unit=True), None
     # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
     c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
+    if pre.kind == "ekfac":  # preconditioned in parameter space: q_exact is H^-1 q already, nothing left in index space
+        return ExactPart(exact_queries, c, exact_widths), None
     scale_idx = expand(pre.identity_scale, index_widths)
     e = ExactPart(exact_queries, c, exact_widths, scale=np.asarray(pre.identity_scale, dtype=np.float64))
     r = sc.w - c[:, None] * scale_idx[None, :] * q_index.astype(np.float64)

@@ -119,6 +119,14 @@ def score(queries: np.ndarray, rows, preconditioner, direction: str) -> Scores:
         qp = preconditioner.apply(q)
         norms = np.linalg.norm(qp, axis=1)
         unit = unit_queries(qp)
+    return score_directions(unit, norms, rows, preconditioner, direction)
+
+
+def score_directions(unit: np.ndarray, norms: np.ndarray, rows, preconditioner, direction: str) -> Scores:
+    """`score` from queries already preconditioned and scaled: `unit` [Q, dim] in the rows' space (float32), the
+    norms [Q] they were scaled by. A preconditioner that works in parameter space (EK-FAC) preconditions the exact
+    query, projects it and scales it by the exact norm, so projected and exact scores share one scale."""
+    unit = np.asarray(unit, dtype=np.float32)
     per_item = item_scores(rows.inner(unit), direction)
     sc = Scores(per_item=per_item, w=harm_directions(unit, direction), unit=unit, norms=norms, precond=preconditioner)
     sc.rank_item, sc.rank_agg = per_item, aggregate(per_item)

@@ -124,11 +124,14 @@ class QueryItem(_Model):
 class Preconditioner(_Model):
     """`attribution.preconditioner` as fitted on the index."""
 
-    kind: Literal["identity", "diagonal", "fisher", "datainf"]
+    kind: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"]
     damping: Optional[float] = Field(description="Damping factor; null for identity.")
     damping_rule: str = Field(description="How the per-block damping lambda_b is set.")
     solver: dict[str, int] = _absent("fisher only: {primal_blocks, woodbury_blocks}.")
     lambda_range: Pair = _absent("[min, max] of the per-block damping lambda_b.")
+    factors: dict[str, Any] = _absent(
+        "ekfac only: how the Kronecker factors were obtained: cache (fitted, reused, or refitted and why), rows, "
+        "tokens, model_passes, correction (index rows or model pass), file and sha256 when stored beside the index.")
 
 
 class Checkpoints(_Model):
@@ -148,6 +151,16 @@ class Checkpoints(_Model):
                                   "trainer_state.json), or why the weights are equal.")
 
 
+class OptimizerScores(_Model):
+    """Scores that model the recorded AdamW run (`attribution.optimizer: adamw`)."""
+
+    optimizer: Literal["adamw"] = Field(description="The optimizer modelled.")
+    epochs: int = Field(description="Epochs replayed at their recorded start weights.")
+    steps: int = Field(description="Optimizer steps of the recorded run.")
+    file: str = Field(description="The trajectory file beside the adapter.")
+    rule: str = Field(description="What the scores predict, in plain words.")
+
+
 class Query(_Model):
     """The query side: formulation, direction and the failing items."""
 
@@ -157,6 +170,8 @@ class Query(_Model):
     items: list[QueryItem] = Field(description="The failing items (empty unless attributed).")
     preconditioner: Preconditioner = _absent("The fitted preconditioner (attributed only).")
     checkpoints: Checkpoints = _absent("Present when scores were averaged over earlier checkpoints.")
+    optimizer: OptimizerScores = _absent("Present when the scores are the optimizer-aware ones "
+                                         "(`attribution.optimizer: adamw` and a recorded trajectory).")
 
 
 # ------------------------------------------------------------------------------------------------ index
@@ -283,6 +298,20 @@ class RankingRow(_Model):
     verdict_text: str = _absent("`verdict` in plain words.")
     window: Window = _absent("Long rows only: the best window.")
     top_span: TopSpan = _absent("Top rows with a span drill-down only.")
+    accused: bool = _absent("Attributed only: the row is in the accused set (`accused`).")
+
+
+class Accused(_Model):
+    """How many rows are accused: the top of the ranking whose scores stand out from the null that the other rows'
+    scores form (`attribution.accused`). Empty when declined or a smoke test."""
+
+    count: int = Field(description="Number of accused rows: the first `count` rows of `ranking`.")
+    positions: list[int] = Field(description="Their 0-based record numbers, in rank order.")
+    z_threshold: float = Field(description="The robust z a row's ranking score must exceed.")
+    median: Optional[float] = Field(description="Median of every row's ranking score (null when nothing was scored).")
+    scale: Optional[float] = Field(description="1.4826 x the median absolute deviation of those scores (null likewise).")
+    capped_at_top_k: bool = Field(description="More rows passed the threshold than `attribution.top_k` lists.")
+    rule: str = Field(description="The rule in plain words, or why nobody is accused.")
 
 
 class Cluster(_Model):
@@ -403,6 +432,7 @@ class Report(_Model):
     index: Optional[IndexSummary] = Field(description="The gradient index; null when declined.")
     windows: Windows = _absent("Attributed only.")
     ranking: list[RankingRow] = Field(description="Top `attribution.top_k` rows in rank order (empty when declined).")
+    accused: Accused = _absent("The accused rows (absent in reports written before the accused rule).")
     clusters: list[Cluster] = Field(description="Clusters that pass the permutation test with BH control.")
     clusters_info: ClustersInfo = _absent("Attributed with a non-empty ranking only.")
     spans: list[Span] = Field(description="Sentence spans of the top rows, highest score first.")

@@ -178,7 +178,8 @@ def _banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]
         delta = tuned - base
     n = as_int(cap.get("n"))
     mdd = as_float(cap.get("min_detectable_delta"))
-    n_acc = len(as_list(report.get("ranking")))
+    acc = _accused(report)
+    n_acc, n_listed = acc["count"], len(as_list(report.get("ranking")))
 
     def change() -> str:
         if base is None or tuned is None:
@@ -198,8 +199,14 @@ def _banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]
         default = "The capability changed and the training rows that pushed it are ranked below."
         if change():
             details.append(change())
-        if n_acc:
+        if n_acc and acc["rule"]:
+            details.append(f"{n_acc} training row{'' if n_acc == 1 else 's'} stand{'s' if n_acc == 1 else ''} out and "
+                           f"{'is' if n_acc == 1 else 'are'} accused: {acc['rule']}.")
+        elif n_acc:
             details.append(f"The {n_acc} highest-scoring training rows are listed as the accused below.")
+        else:
+            details.append("No training row stands out from the others' scores, so none is accused; the "
+                           f"{n_listed} highest-scoring rows are listed for inspection.")
     elif verdict == "declined":
         title, tone = "Declined: no attribution", "declined"
         default = ("The capability did not change measurably, so there is nothing to attribute; "
@@ -233,6 +240,16 @@ def _banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]
         "text": as_str(report.get("verdict_text")).strip() or default,
         "details": details,
     }
+
+
+def _accused(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The accused count and rule; a report written before the accused rule accuses its whole ranking."""
+    acc = report.get("accused")
+    if isinstance(acc, Mapping) and as_int(acc.get("count")) is not None:
+        return {"count": as_int(acc.get("count")), "rule": as_str(acc.get("rule")),
+                "capped": bool(acc.get("capped_at_top_k"))}
+    n = len(as_list(report.get("ranking"))) if as_str(report.get("verdict")) == "attributed" else 0
+    return {"count": n, "rule": "", "capped": False}
 
 
 def _capability(cap: Mapping[str, Any]) -> dict[str, Any]:
@@ -330,6 +347,7 @@ def _ranking(report: Mapping[str, Any]) -> tuple[list[dict[str, Any]], set[int]]
                 "span_score": (span or {}).get("score") if mid else None,
                 "full_text": full,
                 "planted": pos in planted if truth else None,
+                "accused": bool(r.get("accused", True)),
             }
         )
     return rows, planted
@@ -510,6 +528,7 @@ def page_context(report: Mapping[str, Any], verify: Mapping[str, Any] | None,
         "cap": _capability(cap),
         "cap_svg": capability_svg(cap) if cap else None,
         "rows": rows,
+        "accused": _accused(report),
         "has_truth": bool(truth),
         "planted_total": len(planted),
         "planted_found": sum(1 for r in rows if r["planted"]),

@@ -31,6 +31,9 @@ def print_summary(report: dict, console: Console | None = None, rows: int = 10) 
             t.add_row(str(r["rank"]), str(r["position"]), f"{r['score']:.4g}",
                       _fmt(r.get("base_loss")), _fmt(r.get("tuned_loss")), _escape(r["preview"][:90]) + mark)
         console.print(t)
+    acc = report.get("accused")
+    if acc is not None and report["verdict"] == "attributed":
+        console.print(f"[bold]accused:[/] {acc['count']} row{'' if acc['count'] == 1 else 's'} ({acc['rule']})")
 
 
 def _fmt(v) -> str:
@@ -84,10 +87,19 @@ def print_fidelity(res: dict, console) -> None:
     t.add_column("LOO Spearman", justify="right")
     t.add_column("LDS (Spearman, mean over items)", justify="right")
     t.add_column("LDS of the items' mean", justify="right")
-    for p in res["preconditioners"]:
+    oracle = (res.get("lds") or {}).get("truth_oracle")
+    if oracle is not None:
+        t.add_column("LDS / truth oracle", justify="right")
+    for p in res.get("methods") or res["preconditioners"]:
         lo = (res.get("loo") or {}).get("by_preconditioner", {}).get(p, {})
         ld = (res.get("lds") or {}).get("by_preconditioner", {}).get(p, {})
-        t.add_row(p, f(lo.get("pearson")), f(lo.get("spearman")), f(ld.get("lds")), f(ld.get("aggregate_spearman")))
+        label = p + (" (optimizer-aware)" if p == "adamw" else "")
+        cells = [label, f(lo.get("pearson")), f(lo.get("spearman")), f(ld.get("lds")), f(ld.get("aggregate_spearman"))]
+        if oracle is not None:
+            cells.append("-" if ld.get("lds") is None or not oracle else f"{ld['lds'] / oracle:.2f}")
+        t.add_row(*cells)
+    if oracle is not None:
+        t.add_row("truth oracle", "", "", f(oracle), "", "1.00")
     console.print(t)
     parts = []
     if res.get("loo"):

@@ -34,8 +34,11 @@ def backend_for(cfg, recipe: Optional[Recipe] = None) -> str:
 def run_training(cfg, *, backend: Optional[str] = None, recipe: Optional[Recipe] = None, exclude: Iterable[int] = (),
                  out_dir: Optional[Path] = None, progress: bool = True, checkpoint_epochs: Iterable[int] = (),
                  checkpoint_dir: Optional[Path] = None, save_checkpoints: Optional[bool] = None,
-                 init_file: Optional[Path] = None, log_path: Optional[Path] = None, label: str = "train") -> Path:
-    """Train (or retrain from `recipe`) with the backend `backend_for` picks; returns the adapter directory."""
+                 init_file: Optional[Path] = None, log_path: Optional[Path] = None, label: str = "train",
+                 recorder=None) -> Path:
+    """Train (or retrain from `recipe`) with the backend `backend_for` picks; returns the adapter directory.
+    `recorder` (the AdamW trajectory for `attribution.optimizer: adamw`) is seen by the built-in loop only: other
+    backends' optimizers are not ours to watch, and attribute flags the missing trajectory."""
     name = backend or backend_for(cfg, recipe)
     if name == "command":
         from .command import train_command
@@ -59,7 +62,7 @@ def run_training(cfg, *, backend: Optional[str] = None, recipe: Optional[Recipe]
         return train_unsloth(cfg, **kw)
     from .loop import train_adapter
 
-    return train_adapter(cfg, **kw)
+    return train_adapter(cfg, recorder=recorder, **kw)
 
 
 def init_file_of(recipe: Optional[Recipe], adapter_dir) -> Optional[Path]:

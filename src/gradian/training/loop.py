@@ -46,7 +46,7 @@ def data_order(n: int, epochs: int, batch_size: int, seed: int) -> list[list[lis
 def train_adapter(
     cfg: Config, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
     progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
-    save_checkpoints: Optional[bool] = None,
+    save_checkpoints: Optional[bool] = None, recorder=None,
 ) -> Path:
     """Train a LoRA adapter on data.train (minus `exclude` positions, zero-weighted in place); returns its dir.
 
@@ -56,7 +56,10 @@ def train_adapter(
 
     `save_checkpoints` (default: `train.save_checkpoints` for a fresh run, off for a retrain from a `recipe`) keeps
     the adapter of every earlier epoch inside the output, in `OUT/checkpoints/epoch-<k>`, where
-    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later)."""
+    `attribution.checkpoints: auto` finds them (a few LoRA-sized files; no replay needed later).
+
+    `recorder` (an `attribution.optimizer.TrajectoryRecorder`) sees the optimizer after every step and writes what
+    it kept into the adapter directory at the end."""
     from peft import LoraConfig, get_peft_model
 
     t0 = time.time()
@@ -90,6 +93,8 @@ def train_adapter(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=hp["learning_rate"], weight_decay=hp["weight_decay"])
+    if recorder is not None:
+        recorder.start(model, params, opt)
     order = data_order(len(examples), hp["epochs"], hp["batch_size"], seed)
     accum = int(hp.get("gradient_accumulation_steps") or 1)
     groups = [[ep[i : i + accum] for i in range(0, len(ep), accum)] for ep in order]  # optimizer steps per epoch
@@ -179,9 +184,13 @@ def train_adapter(
                     loss = (losses * weights.to(device)).sum() / n_tok
                     loss.backward()
                     total += float(loss.detach())
+                grad_norm = None
                 if hp.get("max_grad_norm"):
-                    torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, hp["max_grad_norm"])
                 opt.step()
+                if recorder is not None:  # before the scheduler moves: the rate this step used
+                    recorder.step(opt, epoch=e_no, positions=[i for b in group for i in b if i not in excluded],
+                                  n_tok=n_tok, grad_norm=grad_norm, max_grad_norm=hp.get("max_grad_norm"))
                 if sched is not None:
                     sched.step()
                 curve.append([len(rates), total])
@@ -198,6 +207,8 @@ def train_adapter(
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    if recorder is not None:
+        recorder.save(out_dir, n_rows=len(examples), dataset_fingerprint=fp)
     if save_at and save_at[-1] == last_epoch and staging is None:
         save_adapter(model, Path(checkpoint_dir) / f"epoch-{last_epoch}", record(last_epoch))
     return out_dir

@@ -50,6 +50,7 @@ from .retrain import adapters_equal, retrain, retrain_recipe
 from .verify import read_report
 
 SCHEMA = "gradian.fidelity/1"
+OPTIMIZER_METHOD = "adamw"  # the optimizer-aware scores' entry among the preconditioners' (by_preconditioner)
 
 
 def correlations(x: Sequence[float], y: Sequence[float]) -> dict:
@@ -83,10 +84,13 @@ def scores_with(s, ix, qitems, settings) -> np.ndarray:
     preconditioner, say), on the session's index `ix`."""
     from ..attribution.checkpoints import over_checkpoints
     from ..attribution.engine import ModelGradients, block_dims_of, score_items
+    from ..attribution.optimizer import over_trajectory
 
     sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
                      block_dims=block_dims_of(ix.index))
-    over_checkpoints(s, sc, qitems, settings)  # attribution.checkpoints: the scores `attribute` reports
+    # the scores `attribute` reports: the optimizer-aware ones when asked for and recorded, else the checkpoints'
+    if s.cfg.attribution.optimizer != "adamw" or over_trajectory(s, sc, qitems, settings) is None:
+        over_checkpoints(s, sc, qitems, settings)
     return np.asarray(sc.per_item, dtype=np.float64)
 
 
@@ -210,6 +214,13 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     try:
         per_item = {p: scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction, preconditioner=p))
                     for p in precs}
+        if cfg.attribution.optimizer != "adamw":
+            # the optimizer-aware scores beside the preconditioners', when the adapter's trajectory was recorded
+            from ..attribution.optimizer import optimizer_scores
+
+            P, _, _ = optimizer_scores(s, qitems, direction)
+            if P is not None:
+                per_item[OPTIMIZER_METHOD] = P
         qv = ModelGradients.from_session(s, ix.capture).query_vectors(qitems)
     finally:
         ix.close()
@@ -262,6 +273,7 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
         "n_rows": n,
         "n_items": len(qitems),
         "preconditioners": precs,
+        "methods": list(per_item),
         "reference": {"reproduced_bit_for_bit": bool(ref_equal),
                       "max_abs_query_loss_gap": float(np.max(np.abs(ref - l_user))) if len(ref) else 0.0},
         "recipe": str(recipe_path),
@@ -272,7 +284,7 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     if rows:
         act = np.array([actual(f"loo-{p}").mean() for p, _ in rows])
         by = {}
-        for p in precs:
+        for p in per_item:
             pred = np.array([agg[p][z] for z, _ in rows])
             by[p] = correlations(pred, act)
         res["loo"] = {
@@ -284,7 +296,7 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
         }
     if subs:
         A = np.stack([actual(f"lds-{j}") for j in range(len(subs))])  # [J, Q]
-        by = {p: lds(per_item[p], subs, A) for p in precs}
+        by = {p: lds(per_item[p], subs, A) for p in per_item}
         oracle = truth_oracle(cfg, [q.item for q in qitems], subs, A)
         res["lds"] = {"subsets": len(subs), "subset_size": m, "fraction": frac, "lds": by[primary]["lds"],
                       "by_preconditioner": by, "truth_oracle": oracle, "removed": subs,

@@ -27,7 +27,9 @@ so every comparison is retrain-vs-retrain. ``difference`` / ``difference_ci`` is
 ``cap_retrained - cap_tuned`` over the eval items; ``ci`` is the paired bootstrap interval of the reverted fraction
 itself (numerator and denominator resampled together, see :func:`reverted_interval`).
 
-Default K: the number of planted rows when ``OUT/truth.json`` (or the report's ``truth``) says so; otherwise
+Default K: the accused set of report.json (``accused.count``: the rows whose scores stand out from the null, see
+`attribution.accused`); when the report has none (written before that rule, or no row stood out), the number of
+planted rows when ``OUT/truth.json`` (or the report's ``truth``) says so; otherwise
 ``min(attribution.top_k, max(1, ceil(5% of the rows)))``: a claim about a handful of rows, not a sizeable share of
 the data (dropping a large share would revert any change and prove nothing).
 
@@ -81,6 +83,9 @@ def read_report(cfg: Config, verb: str = "verify") -> dict:
 
 
 def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
+    acc = report.get("accused") or {}
+    if int(acc.get("count") or 0) > 0:
+        return int(acc["count"]), "the accused set (report.json accused: rows that stand out from the null)"
     truth = _truth(cfg, report)
     if truth and truth.get("planted"):
         return len(truth["planted"]), "the number of planted rows (truth.json)"
