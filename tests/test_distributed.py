@@ -80,3 +80,125 @@ def test_two_gloo_processes_gather_in_order_and_sum_bit_for_bit(tmp_path):
         assert r["bitwise"]  # the chunk-order sum equals one process's loop bit for bit
         assert r["owners"] == {"0": 0, "1": 1, "2": 0, "3": 1, "4": 0}  # unit j is rank j % 2's
         assert r["values"] == [0, 10, 20, 30, 40] and r["total"] == 3 + 4 and r["broadcast"] == 0
+
+
+# ------------------------------------------------------------------------------- the verbs under torchrun
+
+ENV = {"GRADIAN_THREADS": "1", "OMP_NUM_THREADS": "1", "GRADIAN_PROGRESS": "0"}
+
+
+def gradian(*args: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`gradian ARGS` in a fresh process, or under torchrun with `nproc` gloo processes."""
+    head = [*torchrun_cmd(nproc), "-m", "gradian"] if nproc > 1 else [sys.executable, "-m", "gradian"]
+    return subprocess.run([*head, *args], capture_output=True, text=True, env={**os.environ, **ENV}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_cfg(tmp_path_factory) -> Path:
+    from gradian.config import load_config
+    from gradian.demo.run import prepare_demo
+    from gradian.training.loop import train_adapter
+
+    run = tmp_path_factory.mktemp("ddp-demo")
+    cfg_path = prepare_demo(run, progress=False)
+    train_adapter(load_config(cfg_path), progress=False)
+    return cfg_path
+
+
+def _manifests(cache: Path) -> list[dict]:
+    return [json.loads(m.read_text()) for m in sorted(cache.glob("*/manifest.json"))]
+
+
+def _vectors(index_dir: Path) -> dict[str, np.ndarray]:
+    m = json.loads((index_dir / "manifest.json").read_text())
+    out = {}
+    for s in m["shards"]:
+        block = np.load(index_dir / s["file"])
+        out.update({k: block[i] for i, k in enumerate(s["keys"])})
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_and_two(demo_cfg):
+    """The demo attributed by one process and by two (torchrun, gloo), each with its own output and index."""
+    run = demo_cfg.parent
+    runs = {}
+    for n in (1, 2):
+        p = gradian("attribute", str(demo_cfg), "--set", f"output=out{n}", "--set", f"grads.cache_dir=ix{n}", nproc=n)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        runs[n] = (run / f"out{n}", run / f"ix{n}", p)
+    return runs
+
+
+def test_two_processes_give_the_scores_of_one(one_and_two):
+    (out1, _, _), (out2, _, p2) = one_and_two[1], one_and_two[2]
+    assert np.array_equal(np.load(out1 / "scores.npy"), np.load(out2 / "scores.npy"))  # bit for bit
+    a, b = (json.loads((o / "report.json").read_text()) for o in (out1, out2))
+    assert a["verdict"] == b["verdict"] == "attributed"
+    assert [r["position"] for r in a["ranking"]] == [r["position"] for r in b["ranking"]]
+    assert a["capability"] == b["capability"] and a["accused"] == b["accused"]
+    assert p2.stdout.count("report: ") == 1  # rank 0 alone prints
+
+
+def test_the_manifest_lists_both_ranks_shards_and_one_process_reuses_them(one_and_two, demo_cfg):
+    _, ix2, _ = one_and_two[2]
+    mans = _manifests(ix2)
+    assert mans  # the final adapter's index and one per checkpoint
+    for m in mans:
+        assert {s.get("origin") for s in m["shards"]} == {"rank 0 of 2", "rank 1 of 2"}
+        assert sum(s["rows"] for s in m["shards"]) == 300
+    assert not list(ix2.glob("*/parts"))  # adopted, nothing left beside the index
+    p = gradian("attribute", str(demo_cfg), "--set", "output=out-reuse", "--set", "grads.cache_dir=ix2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((demo_cfg.parent / "out-reuse" / "report.json").read_text())
+    assert rep["index"]["built_rows"] == 0 and rep["index"]["reused_rows"] == 300  # no capture at all
+    assert np.array_equal(np.load(demo_cfg.parent / "out-reuse" / "scores.npy"),
+                          np.load(one_and_two[1][0] / "scores.npy"))
+
+
+KILL = r"""
+import os, signal, sys
+# rank 1 dies (SIGKILL, as an OOM kill would) while writing its third shard
+if os.environ.get("RANK") == "1":
+    import gradian.store.index as ix
+    real, seen = ix._atomic_write, [0]
+    def dying(directory, name, write):
+        if name.endswith(".npy") and "parts" in str(directory):
+            seen[0] += 1
+            if seen[0] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(directory, name, write)
+    ix._atomic_write = dying
+from gradian.cli import app
+app(sys.argv[1:], prog_name="gradian")
+"""
+
+
+def test_a_killed_rank_loses_only_its_unfinished_shard(demo_cfg, tmp_path):
+    sets = ["--set", "attribution.checkpoints=1", "--set", "grads.shard_rows=16"]
+    cache = demo_cfg.parent / "ix-kill"
+    script = tmp_path / "kill.py"
+    script.write_text(KILL)
+    p = subprocess.run([*torchrun_cmd(2), str(script), "index", str(demo_cfg), *sets, "--set",
+                        f"grads.cache_dir={cache}"], capture_output=True, text=True, env={**os.environ, **ENV},
+                       timeout=600)
+    assert p.returncode != 0  # torchrun stops the group when a rank dies
+    (root,) = [d for d in cache.iterdir() if d.is_dir()]
+    left = sorted((root / "parts").glob("rank-*/shard-*.npy"))
+    assert len(list((root / "parts" / "rank-1").glob("shard-*.npy"))) == 2  # its two sealed shards survive
+    assert left
+    # the rerun (one process: the parts are any later run's, whatever its world size) adopts them and resumes
+    q = gradian("index", str(demo_cfg), *sets, "--set", f"grads.cache_dir={cache}")
+    assert q.returncode == 0, q.stderr[-3000:]
+    m = json.loads((root / "manifest.json").read_text())
+    adopted = [s for s in m["shards"] if s.get("origin", "").endswith("earlier run")]
+    assert len(adopted) == len(left) and not (root / "parts").exists()
+    assert f"built {300 - 16 * len(left)}" in " ".join(q.stdout.split())
+    # equal to an uninterrupted build, row for row and bit for bit
+    ref = demo_cfg.parent / "ix-ref"
+    r = gradian("index", str(demo_cfg), *sets, "--set", f"grads.cache_dir={ref}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (ref_root,) = [d for d in ref.iterdir() if d.is_dir()]
+    got, want = _vectors(root), _vectors(ref_root)
+    assert got.keys() == want.keys() and len(got) == 300
+    assert all(np.array_equal(got[k], want[k]) for k in want)

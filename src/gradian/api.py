@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .config import Config, config_from_dict, load_config
+from .distributed import barrier, current
 
 __all__ = ["Config", "attribute", "build_index", "config_from_dict", "diagnose", "evaluate", "fidelity",
            "load_config", "train", "verify"]
@@ -59,7 +60,8 @@ def evaluate(cfg: ConfigLike):
     c = _cfg(cfg)
     s = open_session(c)
     cap = _evaluate(s)
-    atomic_write_text(c.output_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
+    if current().is_main:  # under torchrun every rank has the gathered result; one writes it
+        atomic_write_text(c.output_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
     return cap
 
 
@@ -82,6 +84,7 @@ def attribute(cfg: ConfigLike, *, truth: Optional[dict] = None):
 
     c = _cfg(cfg)
     _attribute(c, truth=truth)
+    barrier()  # under torchrun rank 0 wrote the report; every rank returns it
     return Report.model_validate_json((c.output_dir / "report.json").read_text(encoding="utf-8"))
 
 

@@ -38,26 +38,70 @@ def _load(config: Path, sets: Optional[List[str]]):
     return load_config(config, sets or [])
 
 
-def _run(fn, quiet_libraries: bool = True):
+def _run(fn, quiet_libraries: bool = True, ranks: bool = False):
     """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug).
 
     `quiet_libraries` first silences transformers' progress bars and log chatter (which imports transformers); a verb
-    that loads no model (`report`) passes False and stays fast.
+    that loads no model (`report`) passes False and stays fast. `ranks`: the verb runs under torchrun as one rank of
+    a torch.distributed group (joined here, left at the end); only rank 0 prints, and a rank's error is printed by
+    that rank, naming it, and exits non-zero, which makes torchrun stop the others.
     """
+    who = ""
     try:
         if quiet_libraries:
             from .runtime import quiet_libraries as _quiet
 
             _quiet()
+        if ranks:
+            from . import distributed
+
+            if distributed.launched():
+                r = distributed.init()
+                who = f"rank {r.rank} of {r.world}: "
+                out.quiet = not r.is_main
         return fn()
     except GradianError as e:
         if _state["debug"]:
             raise
-        err.print("[bold red]error:[/] " + _esc(str(e)), highlight=False)
+        err.print("[bold red]error:[/] " + _esc(who + str(e)), highlight=False)
         raise typer.Exit(e.exit_code)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]; no partial outputs were left under their final names")
         raise typer.Exit(130)
+    finally:
+        if who:
+            from . import distributed
+
+            distributed.finalize()
+
+
+NprocOpt = typer.Option(None, "--nproc", min=1, help="Run as N processes on this machine: re-launches the verb under "
+                        "`torchrun --standalone --nproc-per-node N` (several GPUs, or CPU cores with gloo)")
+
+
+def _torchrun(nproc: Optional[int]) -> None:
+    """`--nproc N`: the same command line under torchrun (nothing of Gradian's own: torchrun starts and watches
+    the ranks); returns only when not asked or already under torchrun."""
+    import os
+
+    if not nproc or "WORLD_SIZE" in os.environ:
+        return
+    import subprocess
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "gradian", *argv]
+    raise typer.Exit(subprocess.call(cmd))
 
 
 def _esc(s: str) -> str:
@@ -102,8 +146,10 @@ def train(config: Path, set: Optional[List[str]] = SetOpt,
 
 
 @app.command()
-def evaluate(config: Path, set: Optional[List[str]] = SetOpt):
+def evaluate(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
     """Capability delta (base vs fine-tuned) with a paired bootstrap interval; writes OUT/capability.json."""
+
+    _torchrun(nproc)
 
     def body():
         from . import api
@@ -113,12 +159,14 @@ def evaluate(config: Path, set: Optional[List[str]] = SetOpt):
         out.print(f"{cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, delta {cap.delta:+.3f} "
                   f"[{lo:+.3f}, {hi:+.3f}] significant={cap.significant}")
 
-    _run(body)
+    _run(body, ranks=True)
 
 
 @app.command()
-def index(config: Path, set: Optional[List[str]] = SetOpt):
+def index(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
     """Build or reuse the gradient index; prints its size, dims, dtype and cache key."""
+
+    _torchrun(nproc)
 
     def body():
         from . import api
@@ -132,12 +180,14 @@ def index(config: Path, set: Optional[List[str]] = SetOpt):
         if info.choice is not None:
             out.print(f"  {info.choice.reason}", highlight=False)
 
-    _run(body)
+    _run(body, ranks=True)
 
 
 @app.command()
-def attribute(config: Path, set: Optional[List[str]] = SetOpt):
+def attribute(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
     """The main job: evaluate, index, query, score; writes OUT/report.json and OUT/report.html."""
+
+    _torchrun(nproc)
 
     def body():
         from . import api
@@ -157,7 +207,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt):
         print_summary(report.to_dict(), out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
 
-    _run(body)
+    _run(body, ranks=True)
 
 
 @app.command()
@@ -199,8 +249,11 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
            keep_adapters: bool = typer.Option(False, "--keep-adapters", help="Keep the retrained adapters under "
                                               "OUT/verify/"),
            reference: bool = typer.Option(True, "--reference/--no-reference", help="Also retrain with nothing "
-                                          "dropped, to show the recipe reproduces the adapter")):
+                                          "dropped, to show the recipe reproduces the adapter"),
+           nproc: Optional[int] = NprocOpt):
     """Retrain without the top-k accused rows (and without k random rows) and re-measure; writes OUT/verify.json."""
+
+    _torchrun(nproc)
 
     def body():
         from .report.terminal import print_verify
@@ -212,7 +265,7 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
         print_verify(res, out)
         out.print(f"verify: {cfg.output_dir / 'verify.json'}  page: {cfg.output_dir / 'report.html'}")
 
-    _run(body)
+    _run(body, ranks=True)
 
 
 @app.command()
@@ -221,8 +274,11 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
              subsets: int = typer.Option(50, "--subsets", min=0, help="LDS subsets (each drops --frac of the rows)"),
              frac: float = typer.Option(0.05, "--frac", min=0.0, max=0.5, help="Share of rows each LDS subset drops"),
              preconditioner: Optional[List[str]] = typer.Option(None, "--preconditioner", help="Score with this "
-                                                                "preconditioner (repeatable; default: the config's)")):
+                                                                "preconditioner (repeatable; default: the config's)"),
+             nproc: Optional[int] = NprocOpt):
     """Leave-one-out and LDS on deterministic retrains: do the scores predict the change? Writes OUT/fidelity.json."""
+
+    _torchrun(nproc)
 
     def body():
         from .report.terminal import print_fidelity
@@ -234,7 +290,7 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
         print_fidelity(res, out)
         out.print(f"fidelity: {cfg.output_dir / 'fidelity.json'}")
 
-    _run(body)
+    _run(body, ranks=True)
 
 
 def main() -> None:

@@ -55,8 +55,19 @@ def launched() -> bool:
     return _env_world() > 1
 
 
+_alone = [0]  # > 0 inside `alone()`: this rank works on a unit of its own, as if it were the only process
+
+
 def current() -> Ranks:
-    """The group this process belongs to (single process when torch.distributed is not initialized)."""
+    """The group this process belongs to (single process when torch.distributed is not initialized, and inside
+    `alone()`)."""
+    if _alone[0]:
+        return Ranks()
+    return group()
+
+
+def group() -> Ranks:
+    """The group torch.distributed set up, even inside `alone()` (who prints, who writes)."""
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover
@@ -81,6 +92,17 @@ def init(device: str = "auto") -> Ranks:
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo")
     return current()
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """Within the block this rank runs a whole unit of work by itself (one retrain of verify or fidelity, and its
+    evaluation): no collectives, no split batches. Rank 0 still alone prints and writes (`group()`)."""
+    _alone[0] += 1
+    try:
+        yield
+    finally:
+        _alone[0] -= 1
 
 
 def finalize() -> None:

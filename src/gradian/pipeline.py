@@ -26,6 +26,7 @@ from .attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
 from .config import Config, dump_config
+from .distributed import current
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
@@ -227,7 +228,8 @@ def _capability(s: Session, out_dir) -> tuple[Optional[CapabilityResult], str, s
                "add data.eval")
         return None, "smoke_test", "", []
     cap = evaluate(s)
-    atomic_write_text(out_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
+    if current().is_main:
+        atomic_write_text(out_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
     failing, direction = select_failing(cap, s.eval_items)
     if not cap.significant:
         s.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
@@ -301,6 +303,10 @@ def _self_influence(ix: OpenIndex) -> np.ndarray:
 
 
 def _write(cfg: Config, report: dict, scores: Optional[np.ndarray], totals: Optional[np.ndarray]) -> None:
+    """report.json, scores.npy, report.html and the resolved config: rank 0's alone under torchrun (every rank
+    computed the same report)."""
+    if not current().is_main:
+        return
     out_dir = cfg.output_dir
     write_report(out_dir, report, scores)
     if scores is not None and totals is not None:

@@ -32,15 +32,26 @@ def _enabled() -> bool:
     return sys.stderr.isatty()
 
 
-_bars = [0]  # bars opened in this process: under torchrun every rank opens the same bars in the same order
+_bars = [0]  # group bars opened: under torchrun every rank opens the same ones in the same order (the store key)
 
 
 @contextmanager
-def progress_bar(desc: str, total: int, unit: str = "rows") -> Iterator[_Bar]:
-    from .distributed import RowCounter, current
+def progress_bar(desc: str, total: int, unit: str = "rows", split: bool = False) -> Iterator[_Bar]:
+    """`split`: under torchrun the ranks share the `total` (each does its own part), and rank 0's bar counts them
+    all; otherwise every rank does the whole work and rank 0 shows its own."""
+    from .distributed import RowCounter, current, group
 
     ranks = current()
-    _bars[0] += 1
+    if not ranks.active and not group().is_main:  # a rank working alone (`distributed.alone`): quiet
+        yield _Bar(None, None)
+        return
+    if ranks.active:
+        _bars[0] += 1
+    if ranks.active and not split:
+        if not ranks.is_main:
+            yield _Bar(None, None)
+            return
+        ranks = type(ranks)()  # a plain local bar on rank 0
     if ranks.active:
         counter = RowCounter(f"bar-{_bars[0]}")
         if not ranks.is_main or not _enabled() or total <= 0:

@@ -61,6 +61,11 @@ def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA, else CPU. MPS only when named: its kernels are not deterministic enough to be a default."""
     import torch
 
+    from .distributed import device_for
+
+    mine = device_for(name)  # under torchrun on CUDA: this rank's GPU (cuda:LOCAL_RANK)
+    if mine is not None:
+        return torch.device(mine)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -86,9 +86,12 @@ def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = Tr
     epochs = [k for k in checkpoint_epochs(total, count) if k < total]
     if not epochs:
         return [], []
+    from .. import distributed as dist_
+
     root = replay_dir(cfg, adapter_path, recipe)
     paths = [root / f"epoch-{k}" for k in epochs]
-    if not all(_intact(p) for p in paths):
+    # Under torchrun rank 0 replays (one training run) and the others read its sealed folders.
+    if dist_.current().is_main and not all(_intact(p) for p in paths):
         rec = recipe.up_to_epoch(max(epochs))
         excl = recipe.excluded_positions or []
         run_training(cfg, recipe=rec, exclude=excl, out_dir=root / f"epoch-{max(epochs)}", progress=progress,
@@ -96,6 +99,7 @@ def replayed_adapters(cfg, adapter_path: str, count: int, *, progress: bool = Tr
                      init_file=init_file_of(recipe, adapter_path))
         for p in paths:
             _seal(p)
+    dist_.barrier()
     return paths, epochs
 
 

@@ -57,7 +57,7 @@ def generate_answers(
     starts = list(range(0, len(items), batch_size))
     ranks = current()
     done: dict[int, list[str]] = {}
-    with progress_bar(desc, total=len(items)) as bar:
+    with progress_bar(desc, total=len(items), split=True) as bar:
         for j, s in enumerate(starts):
             if not ranks.owns(j):  # under torchrun, batch j is rank j % N's; the answers are gathered below
                 continue

@@ -24,13 +24,15 @@ from ..grads.layout import exact_widths, site_shapes
 from ..io import dir_fingerprint, sha256_file
 from ..progress import progress_bar
 from ..projection import BASIS_FILE, ProjectionChoice, Projector, choose_projection
-from ..setup.batches import batches, length_order
+from .. import distributed as dist_
+from ..setup.batches import batches, length_order, owned_batches
 from ..setup.model import LoraSite
 from ..setup.tokenize import Tokenized
 from .index import GradientIndex
 
 log = logging.getLogger(__name__)
 
+PARTS_DIR = "parts"  # under torchrun each rank writes its shards to root/parts/rank-R; rank 0 adopts them
 SHARD_BYTES = 256 << 20  # float32 bytes of one shard (and of the build's write buffer), at most about
 
 # Bump when the gradient definition changes (loss, masks, projection scheme): old caches become foreign.
@@ -148,13 +150,25 @@ def ensure_basis(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized
 
 def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized], *, key: str, pad_id: int,
                 meta: dict) -> tuple[GradientIndex, list[str], IndexInfo]:
-    """Capture the rows the index lacks, in length-sorted batches (less padding), and return it open for scoring."""
+    """Capture the rows the index lacks, in length-sorted batches (less padding), and return it open for scoring.
+
+    Under torchrun the batches are dealt out (batch j to rank j % N, the batches one process would run, so each
+    vector has the bits one process gives it); each rank writes its own shards to `root/parts/rank-R` (an index
+    of the same key, sealed shard by shard), and rank 0 adopts them into the index after a barrier. Parts left by
+    a killed run are adopted by the next one, whatever its world size, before it decides what is missing. Every
+    rank then opens the sealed index read-only."""
     t0 = time.time()
+    ranks = dist_.current()
     row_keys = [t.row_key() for t in toks]
     root = cfg.index_dir / key
     bs = cfg.grads.batch_size
     store_key = key
-    sha = ensure_basis(cfg, capture, toks, root, pad_id)
+    # A data-aware basis is fitted once, by rank 0; the file beside the index is how the others get it.
+    sha = ensure_basis(cfg, capture, toks, root, pad_id) if ranks.is_main else None
+    if ranks.active:
+        dist_.barrier()
+        if not ranks.is_main:
+            sha = ensure_basis(cfg, capture, toks, root, pad_id)
     if sha is not None:
         # Shards are only valid with the basis they were projected with: an index built with another basis
         # (a refit after the file was lost or changed) has another store key, so `open` moves it aside.
@@ -165,28 +179,73 @@ def build_index(cfg: Config, capture: GradientCapture, toks: Sequence[Tokenized]
     # and hold at most about SHARD_BYTES (the write buffer is one shard: 256 exact rows at 4.9M dims would be 5 GB).
     shard_rows = min(cfg.grads.shard_rows, max(1, SHARD_BYTES // (4 * max(capture.dim, 1))))
     shard_rows = -(-shard_rows // bs) * bs
-    index = GradientIndex.open(root, key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, meta=meta,
-                               shard_rows=shard_rows)
-    missing = index.missing(row_keys)
-    # Deduplicate identical rows: one capture serves all of them.
-    seen, todo = set(), []
-    for i in missing:
-        if row_keys[i] not in seen:
-            seen.add(row_keys[i])
-            todo.append(i)
-    # Stable order (by length, then position) keeps batches, and so the bits, the same on every run.
-    todo = length_order(toks, todo)
+    opts = dict(key=store_key, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, shard_rows=shard_rows)
+    index, plan = None, None
+    if ranks.is_main:
+        index = GradientIndex.open(root, meta=meta, **opts)
+        adopt_parts(index, root)
+        missing = index.missing(row_keys)
+        # Deduplicate identical rows: one capture serves all of them.
+        seen, todo = set(), []
+        for i in missing:
+            if row_keys[i] not in seen:
+                seen.add(row_keys[i])
+                todo.append(i)
+        # Stable order (by length, then position) keeps batches, and so the bits, the same on every run.
+        plan = (len(missing), length_order(toks, todo))
+    n_missing, todo = dist_.broadcast(plan)
     device = next(capture.model.parameters()).device
-    with progress_bar("index", total=len(todo)) as bar:
-        for batch, ids, attn, sup in batches(toks, todo, bs, pad_id, device):
-            vecs, _ = capture.vectors(ids, attn, sup)
-            index.add([row_keys[i] for i in batch], vecs.detach().cpu().numpy().astype(np.float32))
-            bar.advance(len(batch))
-    index.flush()
+    with progress_bar("index", total=len(todo), split=True) as bar:
+        if not ranks.active:
+            sink = index
+        elif todo:
+            sink = GradientIndex.open(root / PARTS_DIR / f"rank-{ranks.rank}", meta={"part_of": store_key}, **opts)
+        else:
+            sink = None
+        try:
+            for _, batch, ids, attn, sup in owned_batches(toks, todo, bs, pad_id, device, owned=ranks.owns):
+                vecs, _ = capture.vectors(ids, attn, sup)
+                sink.add([row_keys[i] for i in batch], vecs.detach().cpu().numpy().astype(np.float32))
+                bar.advance(len(batch))
+        finally:
+            if sink is not None and sink is not index:
+                sink.close()
+    if ranks.active:
+        dist_.barrier()  # every part sealed
+        if ranks.is_main:
+            adopt_parts(index, root, world=ranks.world)
+            index.close()
+        dist_.barrier()  # the index sealed: every rank reads it (rank 0 verified the checksums a moment ago)
+        index = GradientIndex.open(root, read_only=True, verify=False, **opts)
+    else:
+        index.flush()
     info = IndexInfo(key=key, root=root, dim=capture.dim, storage_dtype=cfg.grads.storage_dtype, examples=len(toks),
-                     reused=len(toks) - len(missing), built=len(todo), bytes=index.nbytes,
+                     reused=len(toks) - n_missing, built=len(todo), bytes=index.nbytes,
                      projection=capture.projector.describe(), seconds=time.time() - t0)
     return index, row_keys, info
+
+
+def adopt_parts(index: GradientIndex, root: Path, world: int | None = None) -> int:
+    """Rank parts under `root/parts` adopted into `index`, in rank order (the manifest names each shard's rank);
+    returns the rows adopted."""
+    parts = root / PARTS_DIR
+    if not parts.is_dir():
+        return 0
+    done = 0
+    names = sorted((p for p in parts.iterdir() if p.is_dir()),
+                   key=lambda p: (0, int(p.name[5:])) if p.name[5:].isdigit() else (1, p.name))
+    for part in names:
+        label = part.name.replace("-", " ")
+        origin = f"{label} of {world}" if world else f"{label} of an earlier run"
+        n = index.adopt(part, origin=origin)
+        if n:
+            log.info("gradient index %s: adopted %d rows from %s", root, n, part.name)
+        done += n
+    try:
+        parts.rmdir()
+    except OSError:
+        pass
+    return done
 
 
 @dataclass

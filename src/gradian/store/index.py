@@ -83,6 +83,7 @@ class GradientIndex:
         on_mismatch: str = "rebuild",
         lock_timeout: float = 600.0,
         verify: bool = True,
+        read_only: bool = False,
     ) -> "GradientIndex":
         """Open or create the index at `root`, holding its lock until `close()`.
 
@@ -93,6 +94,8 @@ class GradientIndex:
         shards the manifest does not name) is removed in both modes. `verify=False` skips the sha256 pass
         (sizes and headers are still checked) for callers that verified the same files moments ago.
         `meta`, when given, replaces the stored meta; the key alone decides whether rows are reusable.
+        `read_only` (the ranks of a torchrun job reading the index rank 0 sealed): a shared lock, nothing removed
+        or rewritten, and any problem is an `IndexMismatch` (as with "refuse").
         """
         if not isinstance(key, str) or not key:
             raise ValueError("key must be a non-empty string")
@@ -124,9 +127,13 @@ class GradientIndex:
         self._pend_keys: list[str] = []
         self._pend_vecs: list[np.ndarray] = []
         self._pend_set: set[str] = set()
-        self._lock: Optional[Lock] = Lock(root / LOCK_FILE, lock_timeout)
+        self._read_only = bool(read_only)
+        self._lock: Optional[Lock] = Lock(root / LOCK_FILE, lock_timeout, shared=self._read_only)
         try:
-            self._load(on_mismatch, verify, meta)
+            if self._read_only:
+                self._load_read_only(verify)
+            else:
+                self._load(on_mismatch, verify, meta)
         except BaseException:
             self._lock.release()
             self._lock = None
@@ -211,6 +218,65 @@ class GradientIndex:
             self._meta = stored_meta
         if problems or self._meta != stored_meta:
             self._write_manifest()
+
+    def _load_read_only(self, verify: bool) -> None:
+        manifest, problem, _ = self._read_manifest()
+        if problem is None and manifest is None:
+            raise IndexMismatch(f"gradient index {self._root} has no manifest: build it first",
+                                path=self._root / MANIFEST, reason="missing")
+        if problem is not None:
+            raise IndexMismatch(f"gradient index {problem}", path=problem.path, reason=problem.reason)
+        for entry in manifest["shards"]:
+            pr = self._check_shard(entry, verify)
+            if pr is not None:
+                raise IndexMismatch(f"gradient index {pr}", path=pr.path, reason=pr.reason)
+            self._append_shard(entry)
+        self._meta = manifest["meta"]
+
+    # -------------------------------------------------------------------------------- shards of other writers
+
+    def adopt(self, part: Path | str, *, origin: Optional[str] = None) -> int:
+        """Take over the sealed shards of another index of the same key (a torchrun rank's part, `root/parts/...`):
+        each is renamed into this index under the next shard number, its manifest entry (rows, sha256, keys) kept
+        and marked with `origin`, then the part is removed. Rows this index already holds are dropped. Returns the
+        rows adopted. Crash-safe like a build: a shard renamed here before the manifest names it is debris the next
+        open removes (its rows are recomputed), and the part's own manifest then lacks it too."""
+        self._check_open()
+        part = Path(part)
+        try:
+            other = GradientIndex.open(part, key=self._key, dim=self._dim, storage_dtype=self._dtype,
+                                       on_mismatch="refuse", lock_timeout=0.0)
+        except (IndexMismatch, IndexLocked) as e:
+            log.warning("gradient index %s: cannot adopt %s (%s); its rows will be recomputed", self._root, part, e)
+            if isinstance(e, IndexMismatch):
+                import shutil
+
+                shutil.rmtree(part, ignore_errors=True)
+            return 0
+        adopted = 0
+        try:
+            for entry in list(other._shards):
+                if all(self.has(k) for k in entry["keys"]):
+                    continue
+                number = self._next_shard
+                new = {**entry, "file": f"shard-{number:05d}.npy"}
+                os.replace(part / entry["file"], self._root / new["file"])
+                if entry["norms"] is not None:
+                    new["norms"] = {**entry["norms"], "file": f"shard-{number:05d}.norms.npy"}
+                    os.replace(part / entry["norms"]["file"], self._root / new["norms"]["file"])
+                if origin:
+                    new["origin"] = origin
+                self._next_shard += 1
+                self._append_shard(new)
+                adopted += sum(1 for k in entry["keys"] if self._where[k][0] == len(self._shards) - 1)
+            self._write_manifest()
+        finally:
+            other._lock.release()
+            other._lock = None
+        import shutil
+
+        shutil.rmtree(part, ignore_errors=True)
+        return adopted
 
     def _append_shard(self, entry: dict) -> None:
         s = len(self._shards)
@@ -302,6 +368,8 @@ class GradientIndex:
         """Buffer rows (numpy array or torch tensor, shape (len(row_keys), dim)); every `shard_rows` buffered
         rows become a shard. Keys already held are skipped (first write wins): a content hash names one row."""
         self._check_open()
+        if self._read_only:
+            raise RuntimeError(f"gradient index {self._root} is open read-only")
         arr = as_float32(vectors)
         if arr.shape != (len(row_keys), self._dim):
             raise ValueError(f"add: got vectors of shape {arr.shape} for {len(row_keys)} keys of width {self._dim}")

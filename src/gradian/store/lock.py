@@ -26,16 +26,19 @@ class IndexLocked(IndexError_):
 
 class Lock:
     """Exclusive `flock` on root/.lock. The kernel drops it when the holder dies, so a killed build never leaves
-    a stale lock behind; the pid inside the file is only there to name the holder in the timeout message."""
+    a stale lock behind; the pid inside the file is only there to name the holder in the timeout message.
+    `shared`: a reader's lock (the ranks of a torchrun job scoring one index at once); it waits for a writer, and
+    a writer waits for every reader."""
 
-    def __init__(self, path: Path, timeout: float):
+    def __init__(self, path: Path, timeout: float, shared: bool = False):
         self.path = path
+        self.shared = shared
         self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + max(0.0, timeout)
         delay = 0.01
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self._fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
@@ -57,8 +60,9 @@ class Lock:
                 )
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.25)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        if not shared:  # readers leave the writer's record alone
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
 
     def _holder(self) -> Optional[tuple[int, str]]:
         try:
@@ -78,7 +82,8 @@ class Lock:
         if getattr(self, "_fd", None) is None:
             return
         try:
-            os.ftruncate(self._fd, 0)
+            if not self.shared:
+                os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             os.close(self._fd)

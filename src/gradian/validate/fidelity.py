@@ -45,6 +45,7 @@ from ..attribution.queries import QueryItem, query_losses as _query_losses
 from ..attribution.scoring import direction_sign, rank
 from ..config import Config
 from ..errors import VerifyError
+from .. import distributed as dist_
 from ..io import atomic_write_text
 from .retrain import adapters_equal, retrain, retrain_recipe
 from .verify import read_report
@@ -244,20 +245,29 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     hf_bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one bar for the whole loop, not a weight-loading bar per retrain
     with _restore_hf_bars(hf_bars), _removed_after(work), \
-            progress_bar("fidelity retrains", total=len(jobs), unit="retrains") as bar:
-        for name, excl in jobs:
-            t0 = time.time()
-            path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False,
-                           log_path=cfg.output_dir / "fidelity.train.log" if cfg.train.command else None, label=name)
-            t1 = time.time()
-            if name == "reference":
-                ref_equal = adapters_equal(path, user_adapter)
-            model = load_model(cfg, str(path))
-            losses[name] = query_losses(model, s, qitems)
-            del model
-            t_train += t1 - t0
-            t_meas += time.time() - t1
+            progress_bar("fidelity retrains", total=len(jobs), unit="retrains", split=True) as bar:
+        ranks = dist_.current()
+        done: dict[int, tuple] = {}
+        for j, (name, excl) in enumerate(jobs):
+            if not ranks.owns(j):  # under torchrun retrain j is rank j % N's, one retrain per rank at a time
+                continue
+            with dist_.alone():
+                t0 = time.time()
+                path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False,
+                               log_path=cfg.output_dir / "fidelity.train.log" if cfg.train.command else None,
+                               label=name)
+                t1 = time.time()
+                same = adapters_equal(path, user_adapter) if name == "reference" else None
+                model = load_model(cfg, str(path))
+                done[j] = (query_losses(model, s, qitems), same, t1 - t0, time.time() - t1)
+                del model
             bar.advance()
+        for j, (loss, same, tt, tm) in sorted(dist_.gather_by_index(done).items()):
+            losses[jobs[j][0]] = loss
+            if jobs[j][0] == "reference":
+                ref_equal = same
+            t_train += tt
+            t_meas += tm
 
     ref = losses["reference"]
 
@@ -303,8 +313,10 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
                       "actual": [[round(float(x), 8) for x in row] for row in A]}
     res["timings"] = {"retrain": round(t_train, 2), "measure": round(t_meas, 2), "retrains": len(jobs),
                       "total": round(time.time() - t_all, 2)}
-    atomic_write_text(cfg.output_dir / "fidelity.json", json.dumps(res, indent=2))
-    from .verify import rewrite_html
+    if dist_.current().is_main:
+        atomic_write_text(cfg.output_dir / "fidelity.json", json.dumps(res, indent=2))
+        from .verify import rewrite_html
 
-    rewrite_html(cfg.output_dir)
+        rewrite_html(cfg.output_dir)
+    dist_.barrier()
     return res

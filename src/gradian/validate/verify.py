@@ -52,6 +52,7 @@ import numpy as np
 from ..capability.metrics import paired_bootstrap
 from ..config import Config
 from ..errors import VerifyError
+from .. import distributed as dist_
 from ..io import atomic_write_text
 from ..training.backends import backend_for
 from .retrain import adapters_equal, measure_adapter, removal_text, retrain, retrain_recipe
@@ -258,18 +259,27 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
     measured: dict[str, dict] = {}
     timings: dict[str, float] = {}
     e = cfg.evaluation
+    ranks = dist_.current()
     try:
+        mine: dict[int, dict] = {}
         for j, (name, excl) in enumerate(jobs, start=1):
+            if not ranks.owns(j - 1):  # under torchrun retrain j is one rank's, one retrain per rank at a time
+                continue
             what = "nothing dropped" if not excl else (f"minus the top {k} accused rows" if name == "accused"
                                                          else f"minus {k} random rows")
             say(f"[bold]retrain {j}/{len(jobs)}[/] {name}: {what}")
-            t0 = time.time()
-            path = retrain(cfg, recipe, excl, work / name, user_adapter, log_path=log_path, label=name)
-            t1 = time.time()
-            sc, gen = measure_adapter(cfg, path, ctx)
-            measured[name] = {"path": path, "scores": sc, "generated": gen, "excluded": list(excl),
-                              "train_seconds": round(t1 - t0, 2), "eval_seconds": round(time.time() - t1, 2)}
-            timings[name] = round(time.time() - t0, 2)
+            with dist_.alone():
+                t0 = time.time()
+                path = retrain(cfg, recipe, excl, work / name, user_adapter, log_path=log_path, label=name)
+                t1 = time.time()
+                sc, gen = measure_adapter(cfg, path, ctx)
+            mine[j - 1] = {"path": path, "scores": sc, "generated": gen, "excluded": list(excl),
+                           "train_seconds": round(t1 - t0, 2), "eval_seconds": round(time.time() - t1, 2),
+                           "seconds": round(time.time() - t0, 2)}
+        for j, m in sorted(dist_.gather_by_index(mine).items()):
+            name = jobs[j][0]
+            timings[name] = m.pop("seconds")
+            measured[name] = m
     except BaseException:
         if not keep_adapters:
             _remove_retrains(work, [name for name, _ in jobs])
@@ -332,10 +342,13 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
         planted = set(int(p) for p in truth["planted"])
         res["accused"]["planted_among"] = len(planted & set(accused))
     res["statement"] = statement(res)
-    if not keep_adapters:
-        _remove_retrains(work, [name for name, _ in jobs])
-    atomic_write_text(cfg.output_dir / "verify.json", json.dumps(res, indent=2))
-    rewrite_html(cfg.output_dir)
+    dist_.barrier()  # every rank done with the retrained adapters
+    if ranks.is_main:
+        if not keep_adapters:
+            _remove_retrains(work, [name for name, _ in jobs])
+        atomic_write_text(cfg.output_dir / "verify.json", json.dumps(res, indent=2))
+        rewrite_html(cfg.output_dir)
+    dist_.barrier()
     return res
 
 
