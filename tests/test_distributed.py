@@ -202,3 +202,14 @@ def test_a_killed_rank_loses_only_its_unfinished_shard(demo_cfg, tmp_path):
     got, want = _vectors(root), _vectors(ref_root)
     assert got.keys() == want.keys() and len(got) == 300
     assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_rank_error_names_the_rank_and_stops_the_group(demo_cfg):
+    """`--nproc 2` (torchrun underneath): each failing rank prints its own one-paragraph error, exit 2, and no
+    traceback from torchrun's agent."""
+    p = gradian("attribute", str(demo_cfg), "--set", "model.adapter=nope", "--set", "output=out-bad", "--nproc", "2")
+    assert p.returncode == 2
+    text = " ".join(p.stderr.split())
+    assert "rank 0 of 2: model.adapter: 'nope' does not exist" in text
+    assert "torchrun stopped the other ranks" in text and "Traceback" not in p.stderr
+    assert not (demo_cfg.parent / "out-bad" / "report.json").exists()

@@ -86,7 +86,6 @@ def _torchrun(nproc: Optional[int]) -> None:
 
     if not nproc or "WORLD_SIZE" in os.environ:
         return
-    import subprocess
 
     argv, skip = [], False
     for a in sys.argv[1:]:
@@ -99,9 +98,22 @@ def _torchrun(nproc: Optional[int]) -> None:
         if a.startswith("--nproc="):
             continue
         argv.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "gradian", *argv]
-    raise typer.Exit(subprocess.call(cmd))
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "gradian", *argv])
+    # The ranks print their own errors; torchrun's agent would add its log lines and a traceback of its own.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, first = e.get_first_failure()
+        err.print(f"[bold red]error:[/] rank {rank} of {nproc} failed first (exit code {first.exitcode}; its message "
+                  "is above); torchrun stopped the other ranks", highlight=False)
+        raise typer.Exit(first.exitcode if first.exitcode in (1, 2) else 1)
+    raise typer.Exit(0)
 
 
 def _esc(s: str) -> str:
@@ -174,6 +186,8 @@ def index(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] 
         info = api.build_index(_load(config, set))
         proj = info.projection
         out.print(f"index [bold]{info.key}[/] at {info.root}")
+        rate = f", {info.built / info.seconds:.1f} rows/s" if info.built and info.seconds > 0 else ""
+        out.print(f"  {info.seconds:.2f} s{rate}", highlight=False)
         out.print(f"  rows {info.examples} (built {info.built}, reused {info.reused}), dim {info.dim}, "
                   f"dtype {info.storage_dtype}, {info.bytes / 2**20:.2f} MiB, "
                   f"projection {proj['kind'] + ' ' + str(proj['dim']) if proj else 'none (exact)'}")
