@@ -28,7 +28,7 @@ from ..capability.evaluate import CapabilityResult
 from ..capability.metrics import normalize_answer
 from ..grads.capture import GradientCapture
 from ..grads.objectives import margin_losses, per_example_loss
-from ..setup.batches import batches
+from ..setup.batches import batches, owned_batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, tokenize_example
 
@@ -122,16 +122,29 @@ def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem]
     out = torch.zeros(len(queries), capture.dim)
     device = next(capture.model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for part, ids, attn, sup in batches(rows, range(len(rows)), batch_size, pad, device):
-        vecs, _ = capture.vectors(ids, attn, sup)
-        for j, v in zip(part, vecs.cpu()):
+    for part, vecs in _split_batches(rows, batch_size, pad, device, capture.vectors):
+        for j, v in zip(part, vecs):
             out[owner[j]] += sign[j] * v
     mtoks = [t for _, t in margin_rows]
-    for part, ids, attn, sup in batches(mtoks, range(len(mtoks)), batch_size, pad, device):
-        vecs, _ = capture.margin_vectors(ids, attn, sup)
-        for j, v in zip(part, vecs.cpu()):
+    for part, vecs in _split_batches(mtoks, batch_size, pad, device, capture.margin_vectors):
+        for j, v in zip(part, vecs):
             out[margin_rows[j][0]] += v
     return out
+
+
+def _split_batches(toks, batch_size: int, pad: int, device, fn):
+    """(positions, vectors on CPU) per batch, in batch order. Under torchrun batch j is computed by rank j % N and
+    every rank gets all of them (`distributed.gather_by_index`), so the sums above run in one process's order."""
+    from ..distributed import current, gather_by_index
+
+    ranks = current()
+    got = {}
+    for j, part, ids, attn, sup in owned_batches(toks, range(len(toks)), batch_size, pad, device, ranks.owns):
+        vecs, _ = fn(ids, attn, sup)
+        got[j] = (part, vecs.detach().cpu())
+    if ranks.active:
+        got = gather_by_index(got)
+    return [got[j] for j in sorted(got)]
 
 
 @torch.no_grad()
