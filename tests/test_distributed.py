@@ -82,6 +82,51 @@ def test_two_gloo_processes_gather_in_order_and_sum_bit_for_bit(tmp_path):
         assert r["values"] == [0, 10, 20, 30, 40] and r["total"] == 3 + 4 and r["broadcast"] == 0
 
 
+ROWS = r"""
+import json, sys
+import numpy as np
+from gradian import distributed as D
+import gradian.store.index as ix
+from gradian.store.index import GradientIndex
+from gradian.store.rows import RowSource
+r = D.init("cpu")
+root = sys.argv[1]
+ix.SCORE_BLOCK_BYTES = 4 * 16 * 37  # score blocks of 37 rows, so 500 rows make 14 of them
+if r.is_main:
+    X = np.random.default_rng(0).standard_normal((500, 16)).astype(np.float32)
+    with GradientIndex.open(root, key="k", dim=16, shard_rows=64) as g:
+        g.add([f"r{i}" for i in range(500)], X)
+D.barrier()
+g = GradientIndex.open(root, key="k", dim=16, read_only=True)
+keys = [f"r{i}" for i in range(500)][::-1] + ["r3"]
+src = RowSource(index=g, row_keys=keys, memory_bytes=8 * 16 * 29)  # chunks of 29 rows
+q = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+got = src.inner(q)
+src.reads = 0
+m = src.sum_chunks(lambda rows: np.square(rows).sum(0), np.zeros(16))
+reads = src.reads
+with D.alone():  # one process's computation, on this rank alone
+    want = src.inner(q)
+    wm = src.sum_chunks(lambda rows: np.square(rows).sum(0), np.zeros(16))
+print("RESULT " + json.dumps({"rank": r.rank, "inner": bool(np.array_equal(got, want)), "shape": list(got.shape),
+      "sum": bool(np.array_equal(m, wm)), "reads": reads, "chunks": len(src.bounds())}), flush=True)
+g.close()
+D.finalize()
+"""
+
+
+def test_scores_and_row_statistics_split_over_ranks_equal_one_process(tmp_path):
+    """RowSource under torchrun: score blocks and statistic chunks dealt out and put back in order, one process's
+    bits on every rank, each rank reading its share of the index."""
+    p = torchrun(ROWS, tmp_path, str(tmp_path / "ix"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = [json.loads(l.split("RESULT ", 1)[1]) for l in p.stdout.splitlines() if "RESULT " in l]
+    assert sorted(r["rank"] for r in res) == [0, 1]
+    for r in res:
+        assert r["inner"] and r["shape"] == [3, 501] and r["sum"]
+        assert r["chunks"] == 18 and r["reads"] == 9  # 18 chunks of 29 rows: 9 read by each rank
+
+
 # ------------------------------------------------------------------------------- the verbs under torchrun
 
 ENV = {"GRADIAN_THREADS": "1", "OMP_NUM_THREADS": "1", "GRADIAN_PROGRESS": "0"}

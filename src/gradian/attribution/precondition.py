@@ -132,9 +132,7 @@ class Preconditioner:
             self.lambdas = np.ones(len(dims))
             return self
         sl = block_slices(self.block_dims)
-        m = np.zeros(source.dim)
-        for _, _, rows in source.chunks():
-            m += np.square(rows).sum(0)
+        m = source.sum_chunks(lambda rows: np.square(rows).sum(0), np.zeros(source.dim))
         m /= max(source.n, 1)
         self.second_moment = m
         means = np.array([m[s].mean() if s.stop > s.start else 0.0 for s in sl])

@@ -540,10 +540,14 @@ class GradientIndex:
         promise more). A 1-D query gives a 1-D result."""
         q, squeeze = self._queries(queries)
         out = np.empty((q.shape[0], len(row_keys)), dtype=np.float32)
-        block_rows = min(block_rows, max(1, SCORE_BLOCK_BYTES // (4 * max(self._dim, 1))))
+        block_rows = self.score_block_rows(block_rows)
         for a, b, block in self._blocks(row_keys, block_rows):
             out[:, a:b] = q @ block.T
         return out[0] if squeeze else out
+
+    def score_block_rows(self, block_rows: int = 4096) -> int:
+        """The rows `score` multiplies at once: `block_rows`, and at most `SCORE_BLOCK_BYTES` of them."""
+        return min(block_rows, max(1, SCORE_BLOCK_BYTES // (4 * max(self._dim, 1))))
 
     def _queries(self, queries) -> tuple[np.ndarray, bool]:
         q = as_float32(queries)

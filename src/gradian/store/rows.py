@@ -43,10 +43,38 @@ class RowSource:
             yield a, b, self.read(a, b)
 
     def inner(self, dirs: np.ndarray) -> np.ndarray:
-        """float32 [Q, n] = dirs @ rows.T: `GradientIndex.score` over the row keys, or one matmul of the array."""
+        """float32 [Q, n] = dirs @ rows.T: `GradientIndex.score` over the row keys, or one matmul of the array.
+
+        Under torchrun the index's score blocks are dealt out (block j to rank j % N) and gathered: each block is
+        the matmul one process does, so every rank gets one process's bits, having read 1/N of the index."""
         if self.index is not None:
-            return self.index.score(dirs, self.row_keys)
+            from ..distributed import current, gather_by_index
+
+            ranks = current()
+            if not ranks.active or self.n == 0:
+                return self.index.score(dirs, self.row_keys)
+            br = self.index.score_block_rows()
+            spans = [(a, min(self.n, a + br)) for a in range(0, self.n, br)]
+            got = gather_by_index({j: self.index.score(dirs, self.row_keys[a:b])
+                                   for j, (a, b) in enumerate(spans) if ranks.owns(j)})
+            return np.concatenate([got[j] for j in range(len(spans))], axis=-1)
         return np.asarray(dirs, dtype=np.float32) @ np.asarray(self.array, dtype=np.float32).T
+
+    def sum_chunks(self, fn, start: np.ndarray) -> np.ndarray:
+        """start + fn(chunk 0) + fn(chunk 1) + ..., added in chunk order (a statistic over the rows, such as the
+        diagonal preconditioner's second moment). Under torchrun chunk c is rank c % N's and the partial results
+        are added in chunk order on every rank (`distributed.ordered_sum`): one process's bits."""
+        from ..distributed import current, ordered_sum
+
+        ranks = current()
+        if not ranks.active:
+            acc = start
+            for _, _, rows in self.chunks():
+                acc = acc + fn(rows)
+            return acc
+        spans = self.bounds()
+        return ordered_sum({c: fn(self.read(a, b)) for c, (a, b) in enumerate(spans) if ranks.owns(c)},
+                           len(spans), start=start)
 
     def subset(self, positions: Sequence[int]) -> "RowSource":
         """The rows at `positions` (in that order) as a source of their own."""
