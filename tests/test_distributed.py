@@ -258,3 +258,21 @@ def test_a_rank_error_names_the_rank_and_stops_the_group(demo_cfg):
     assert "rank 0 of 2: model.adapter: 'nope' does not exist" in text
     assert "torchrun stopped the other ranks" in text and "Traceback" not in p.stderr
     assert not (demo_cfg.parent / "out-bad" / "report.json").exists()
+
+
+def test_a_projected_index_fitted_once_and_re_ranked_over_two_ranks_equals_one_process(demo_cfg):
+    """The data-aware basis fitted by rank 0 and read by rank 1, the exact re-rank's batches split: the same
+    scores, re-ranked order, projection self-check and spans as one process."""
+    sets = ["--set", "attribution.checkpoints=1", "--set", "grads.projection_dim=64"]
+    runs = {}
+    for n in (1, 2):
+        p = gradian("attribute", str(demo_cfg), *sets, "--set", f"output=proj{n}", "--set",
+                    f"grads.cache_dir=pix{n}", nproc=n)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[n] = demo_cfg.parent / f"proj{n}"
+    assert np.array_equal(np.load(runs[1] / "scores.npy"), np.load(runs[2] / "scores.npy"))
+    a, b = (json.loads((runs[n] / "report.json").read_text()) for n in (1, 2))
+    assert a["index"]["projection"]["kind"] == "data-aware" and a["index"]["fidelity"]["reranked"]
+    assert a["index"]["projection"]["basis_sha256"] == b["index"]["projection"]["basis_sha256"]
+    assert a["index"]["fidelity"] == b["index"]["fidelity"] and a["spans"] == b["spans"]
+    assert a["ranking"] == b["ranking"]

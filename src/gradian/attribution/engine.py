@@ -25,7 +25,8 @@ from ..grads.layout import exact_widths, site_shapes
 from ..grads.tangents import token_contributions
 from ..progress import progress_bar
 from ..projection import Projector
-from ..setup.batches import batches
+from ..distributed import current, gather_by_index
+from ..setup.batches import owned_batches
 from ..store.rows import RowSource
 from . import directions as dirs_
 from . import ekfac
@@ -146,13 +147,20 @@ class ModelGradients:
         order = sorted(range(len(pos)), key=lambda j: (len(rows[j].input_ids), pos[j]))
         exact = self.exact()
         groups = dirs_.blocks(dirs.n, dirs.width)
-        with progress_bar("exact re-rank", total=len(pos) * len(groups)) as bar:
+        ranks = current()  # under torchrun batch j is rank j % N's; the blocks are gathered, each one process's bits
+        with progress_bar("exact re-rank", total=len(pos) * len(groups), split=True) as bar:
             for ks in groups:
                 d32 = dirs.rows(ks)
-                for js, ids, attn, sup in batches(rows, order, self.batch_size, self.pad_id, device):
+                got = {}
+                for j, js, ids, attn, sup in owned_batches(rows, order, self.batch_size, self.pad_id, device,
+                                                           ranks.owns):
                     vecs, _ = exact.vectors(ids, attn, sup)
-                    out[ks[0] : ks[-1] + 1, js] = d32 @ vecs.detach().cpu().numpy().T
+                    got[j] = (js, d32 @ vecs.detach().cpu().numpy().T)
                     bar.advance(len(js))
+                if ranks.active:
+                    got = gather_by_index(got)
+                for js, blk in got.values():
+                    out[ks[0] : ks[-1] + 1, js] = blk
                 del d32
         return out
 
