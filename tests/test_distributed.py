@@ -276,3 +276,24 @@ def test_a_projected_index_fitted_once_and_re_ranked_over_two_ranks_equals_one_p
     assert a["index"]["projection"]["basis_sha256"] == b["index"]["projection"]["basis_sha256"]
     assert a["index"]["fidelity"] == b["index"]["fidelity"] and a["spans"] == b["spans"]
     assert a["ranking"] == b["ranking"]
+
+
+def test_verify_spreads_its_retrains_over_ranks_and_gets_one_process_result(one_and_two, demo_cfg):
+    """verify's retrains, one per rank at a time (gathered in job order): verify.json as one process writes it."""
+    got = {}
+    for n in (1, 2):
+        p = gradian("verify", str(demo_cfg), "--set", f"output=out{n}", "--set", f"grads.cache_dir=ix{n}",
+                    "--controls", "2", nproc=n)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[n] = json.loads((demo_cfg.parent / f"out{n}" / "verify.json").read_text())
+    for key in ("accused", "controls", "reference", "confirmed", "top_k", "base", "tuned"):
+        a, b = got[1][key], got[2][key]
+        if isinstance(a, dict):
+            a = {k: v for k, v in a.items() if not k.endswith("_seconds")}
+            b = {k: v for k, v in b.items() if not k.endswith("_seconds")}
+        if isinstance(a, list):
+            a = [{k: v for k, v in c.items() if not k.endswith("_seconds")} for c in a]
+            b = [{k: v for k, v in c.items() if not k.endswith("_seconds")} for c in b]
+        assert a == b, key
+    assert got[2]["confirmed"] is True and got[2]["reference"]["reproduced_bit_for_bit"]
+    assert not (demo_cfg.parent / "out2" / "verify").exists()  # the retrained adapters removed, by rank 0
