@@ -28,10 +28,18 @@ def torchrun_cmd(nproc: int = 2) -> list[str]:
 
 
 def torchrun(script: str, tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`script` under torchrun; each rank writes its result to RESULTS/rank-R.json (the ranks share one stdout, where
+    their lines can interleave)."""
     f = tmp_path / "script.py"
     f.write_text(script)
-    env = {**os.environ, "GRADIAN_THREADS": "1", "OMP_NUM_THREADS": "1", "GRADIAN_PROGRESS": "0"}
+    (tmp_path / "results").mkdir(exist_ok=True)
+    env = {**os.environ, "GRADIAN_THREADS": "1", "OMP_NUM_THREADS": "1", "GRADIAN_PROGRESS": "0",
+           "RESULTS": str(tmp_path / "results")}
     return subprocess.run([*torchrun_cmd(), str(f), *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def results(tmp_path: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted((tmp_path / "results").glob("rank-*.json"))]
 
 
 def test_single_process_is_the_plain_case():
@@ -66,7 +74,8 @@ total = c.add(0)
 b = D.broadcast({"from": r.rank})
 out = {"rank": r.rank, "world": r.world, "bitwise": bool(np.array_equal(got, want)), "owners": {str(k): v[0] for k, v in res.items()},
        "values": [res[j][1] for j in range(5)], "total": total, "broadcast": b["from"]}
-print("RESULT " + json.dumps(out), flush=True)
+import os, pathlib
+pathlib.Path(os.environ["RESULTS"], f"rank-{r.rank}.json").write_text(json.dumps(out))
 D.finalize()
 """
 
@@ -74,7 +83,7 @@ D.finalize()
 def test_two_gloo_processes_gather_in_order_and_sum_bit_for_bit(tmp_path):
     p = torchrun(SCRIPT, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    res = [json.loads(l.split("RESULT ", 1)[1]) for l in p.stdout.splitlines() if "RESULT " in l]
+    res = results(tmp_path)
     assert sorted(r["rank"] for r in res) == [0, 1] and all(r["world"] == 2 for r in res)
     for r in res:
         assert r["bitwise"]  # the chunk-order sum equals one process's loop bit for bit
@@ -108,8 +117,9 @@ reads = src.reads
 with D.alone():  # one process's computation, on this rank alone
     want = src.inner(q)
     wm = src.sum_chunks(lambda rows: np.square(rows).sum(0), np.zeros(16))
-print("RESULT " + json.dumps({"rank": r.rank, "inner": bool(np.array_equal(got, want)), "shape": list(got.shape),
-      "sum": bool(np.array_equal(m, wm)), "reads": reads, "chunks": len(src.bounds())}), flush=True)
+import os, pathlib
+pathlib.Path(os.environ["RESULTS"], f"rank-{r.rank}.json").write_text(json.dumps({"rank": r.rank, "inner": bool(np.array_equal(got, want)), "shape": list(got.shape),
+      "sum": bool(np.array_equal(m, wm)), "reads": reads, "chunks": len(src.bounds())}))
 g.close()
 D.finalize()
 """
@@ -120,7 +130,7 @@ def test_scores_and_row_statistics_split_over_ranks_equal_one_process(tmp_path):
     bits on every rank, each rank reading its share of the index."""
     p = torchrun(ROWS, tmp_path, str(tmp_path / "ix"))
     assert p.returncode == 0, p.stderr[-3000:]
-    res = [json.loads(l.split("RESULT ", 1)[1]) for l in p.stdout.splitlines() if "RESULT " in l]
+    res = results(tmp_path)
     assert sorted(r["rank"] for r in res) == [0, 1]
     for r in res:
         assert r["inner"] and r["shape"] == [3, 501] and r["sum"]
