@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -203,21 +203,7 @@ class RowCounter:
         return int(self._store.add(self.key, int(n)))
 
 
-@contextmanager
-def main_only() -> Iterator[bool]:
-    """Yields whether this is rank 0 (the one that writes reports), then waits for every rank."""
-    try:
-        yield current().is_main
-    finally:
-        barrier()
-
-
 def shard(items: Sequence[Any], ranks: Optional[Ranks] = None) -> list[Any]:
     """The items (units of work, in order) this rank owns."""
     r = ranks or current()
     return [x for j, x in enumerate(items) if r.owns(j)]
-
-
-def chunks(seq: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
-    for a in range(0, len(seq), size):
-        yield seq[a : a + size]

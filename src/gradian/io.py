@@ -151,3 +151,12 @@ def dir_digest(path: Path | str, exclude: Iterable[str] = ()) -> str:
     for name in sorted(x.name for x in p.iterdir() if x.is_file() and x.name not in skip):
         h.update(name.encode() + b"\0" + (p / name).read_bytes())
     return h.hexdigest()
+
+
+def human(n: float) -> str:
+    """A byte count as people read it: 512 B, 3.1 MiB, 1.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -42,27 +42,21 @@ def progress_bar(desc: str, total: int, unit: str = "rows", split: bool = False)
     from .distributed import RowCounter, current, group
 
     ranks = current()
-    if not ranks.active and not group().is_main:  # a rank working alone (`distributed.alone`): quiet
-        yield _Bar(None, None)
-        return
     if ranks.active:
         _bars[0] += 1
-    if ranks.active and not split:
-        if not ranks.is_main:
+    # split under torchrun: the ranks share `total`, each adds its rows to a counter in the c10d store and rank 0
+    # shows the sum; otherwise (every rank doing the whole work, or one working `alone`) rank 0 shows its own
+    counter = RowCounter(f"bar-{_bars[0]}") if ranks.active and split else None
+    if not group().is_main or not _enabled() or total <= 0:
+        if counter is None:
             yield _Bar(None, None)
             return
-        ranks = type(ranks)()  # a plain local bar on rank 0
-    if ranks.active:
-        counter = RowCounter(f"bar-{_bars[0]}")
-        if not ranks.is_main or not _enabled() or total <= 0:
-            class _Counting(_Bar):
-                def advance(self, n: int = 1) -> None:
-                    counter.add(n)
 
-            yield _Counting(None, None)
-            return
-    if not _enabled() or total <= 0:
-        yield _Bar(None, None)
+        class _Counting(_Bar):
+            def advance(self, n: int = 1) -> None:
+                counter.add(n)
+
+        yield _Counting(None, None)
         return
     columns = [
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -74,7 +68,7 @@ def progress_bar(desc: str, total: int, unit: str = "rows", split: bool = False)
 
         class _RateBar(_Bar):
             def advance(self, n: int = 1) -> None:
-                if ranks.active:  # every rank's rows
+                if counter is not None:  # every rank's rows
                     p.update(task, completed=counter.add(n))
                 else:
                     p.advance(task, n)

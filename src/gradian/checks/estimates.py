@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..config import Config
+from ..io import human  # noqa: F401  (the checks' messages use it from here)
 
 
 def short(e: BaseException, n: int = 300) -> str:
@@ -22,14 +23,6 @@ def blocking_file(p: Path) -> Optional[Path]:
         if q.exists():
             return None if q.is_dir() else q
     return None
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def cpu_count() -> int:

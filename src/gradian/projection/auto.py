@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from ..io import human
+
 AUTO_EXACT_MAX_WIDTH = 65_536
 AUTO_EXACT_MAX_BYTES = 2 << 30
 AUTO_WIDTH = 8192
@@ -44,14 +46,6 @@ class ProjectionChoice:
                 "exact": self.dim is None, "exact_width": self.exact_width, "reason": self.reason}
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def choose_projection(setting: Union[str, int, None], exact_width: int, rows: int, storage_dtype: str = "float32"
                       ) -> ProjectionChoice:
     """Resolve `grads.projection_dim` for an index of `rows` rows whose exact width is `exact_width`."""
@@ -67,17 +61,17 @@ def choose_projection(setting: Union[str, int, None], exact_width: int, rows: in
     if exact_width <= AUTO_EXACT_MAX_WIDTH and total <= AUTO_EXACT_MAX_BYTES:
         return ProjectionChoice("auto", None, exact_width,
                                 f"auto: the exact index ({rows} rows x {exact_width} dims x {storage_dtype} = "
-                                f"{_human(total)}) is within {AUTO_EXACT_MAX_WIDTH} dims and "
-                                f"{_human(AUTO_EXACT_MAX_BYTES)}: exact gradients")
+                                f"{human(total)}) is within {AUTO_EXACT_MAX_WIDTH} dims and "
+                                f"{human(AUTO_EXACT_MAX_BYTES)}: exact gradients")
     if exact_width <= AUTO_WIDTH:
         return ProjectionChoice("auto", None, exact_width,
-                                f"auto: the exact index ({_human(total)}) is large, but the exact width {exact_width} "
+                                f"auto: the exact index ({human(total)}) is large, but the exact width {exact_width} "
                                 f"is no wider than the projection ({AUTO_WIDTH}): exact gradients")
     why = (f"the exact width {exact_width} is above {AUTO_EXACT_MAX_WIDTH}" if exact_width > AUTO_EXACT_MAX_WIDTH
-           else f"the exact index ({rows} rows x {exact_width} dims = {_human(total)}) is above "
-                f"{_human(AUTO_EXACT_MAX_BYTES)}")
+           else f"the exact index ({rows} rows x {exact_width} dims = {human(total)}) is above "
+                f"{human(AUTO_EXACT_MAX_BYTES)}")
     dim = AUTO_WIDTH
     return ProjectionChoice("auto", dim, exact_width,
-                            f"auto: {why}, so rows are projected to {dim} dims ({_human(rows * row_bytes(dim, storage_dtype))}"
+                            f"auto: {why}, so rows are projected to {dim} dims ({human(rows * row_bytes(dim, storage_dtype))}"
                             f" for {rows} rows) and the top grads.rerank rows re-scored exactly; the width is the one "
                             "bench/index_bench.py picked")

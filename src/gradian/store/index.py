@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -249,8 +250,6 @@ class GradientIndex:
         except (IndexMismatch, IndexLocked) as e:
             log.warning("gradient index %s: cannot adopt %s (%s); its rows will be recomputed", self._root, part, e)
             if isinstance(e, IndexMismatch):
-                import shutil
-
                 shutil.rmtree(part, ignore_errors=True)
             return 0
         adopted = 0
@@ -273,8 +272,6 @@ class GradientIndex:
         finally:
             other._lock.release()
             other._lock = None
-        import shutil
-
         shutil.rmtree(part, ignore_errors=True)
         return adopted
 
