@@ -1,14 +1,19 @@
 """Gradian's `ekfac` preconditioner against kronfluence's EK-FAC, at matched settings, on the demo.
 
-kronfluence is installed for this bench only, into its own directory, so the shared environment is untouched (its
-torchvision pin would pull a torchvision that breaks transformers: do not install it; kronfluence does not import
-it on this path):
+kronfluence is installed for this bench only, into the checkout's ignored `.bench-env/kronfluence` (never into
+.venv: its torchvision requirement would pull a torchvision that breaks transformers, so it goes in without
+dependencies; kronfluence does not import torchvision on this path), and this script puts that directory on its own
+path:
 
-    .venv/bin/pip install --no-deps --target /work/kron-site kronfluence==1.0.1 einops==0.8.1 einconv==0.1.0 \
-        opt-einsum==3.4.0
-    PYTHONPATH=/work/kron-site:src .venv/bin/python bench/ekfac_check.py          # ~1-2 min on one shared core
+    make bench-ekfac      # = make bench-env (kronfluence 1.0.1, einops 0.8.1, einconv 0.1.0, opt-einsum 3.4.0 into
+                          #   .bench-env/kronfluence) + GRADIAN_THREADS=1 .venv/bin/python bench/ekfac_check.py
 
-(accelerate, safetensors and tqdm, which it also imports, are in the shared environment already.)
+From a fresh clone with a fresh GRADIAN_CACHE (2026-12-02, two cores, one thread): `make bench-env` 9 s, then the check
+153 CPU s, 2 min 36 s wall (building the tiny base and training the demo are most of it); 32 CPU s, 33 s wall once
+the demo is trained (reused from runs/ekfac-check).
+
+(accelerate, safetensors and tqdm, which kronfluence also imports, come from .venv: `make venv` installs them.) The
+scratch directory defaults to runs/ekfac-check (the trained demo is kept there and reused).
 
 Matched settings: the demo's trained LoRA (`gradian demo`'s scenario and recipe), the same tracked modules (every
 LoRA A and B Linear, each its own EK-FAC block in both), the same loss (each row's summed supervised-token loss,
@@ -32,7 +37,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +50,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+# kronfluence and its pure-Python dependencies, as `make bench-env` installs them (after .venv's own packages)
+KRON_SITE = ROOT / ".bench-env" / "kronfluence"
+if KRON_SITE.is_dir():
+    sys.path.append(str(KRON_SITE))
 
 
 def trained_demo(run: Path) -> Path:
@@ -248,7 +256,7 @@ def real_shape(work: Path, rows: list[int], tokens: int, budgets: list[int]) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "gradian-ekfac-check"),
+    ap.add_argument("--work", default=str(ROOT / "runs" / "ekfac-check"),
                     help="scratch directory (the trained demo is kept and reused there)")
     ap.add_argument("--real-shape", action="store_true",
                     help="instead: peak RSS of the EK-FAC fit on a SmolLM-135M-shaped model (random weights, LoRA r 16 "
@@ -266,8 +274,8 @@ def main(argv=None) -> int:
     try:
         import kronfluence  # noqa: F401
     except ImportError:
-        sys.exit("kronfluence is not importable: install it as the module docstring says and run with "
-                 "PYTHONPATH=/work/kron-site:src")
+        sys.exit(f"kronfluence is not importable from {KRON_SITE.relative_to(ROOT)}: run `make bench-env` (or "
+                 "`make bench-ekfac`, which runs this check after it) from the repository root")
 
     from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
@@ -289,11 +297,13 @@ def main(argv=None) -> int:
 
         clear_factors(ix.index.root)
         t0 = time.process_time()
-        sc = score_adapter(s, ix, qitems, direction, preconditioner="ekfac", windows=False)
+        # raw inner products, as kronfluence scores them: the default unit rows (a cosine in the preconditioner's
+        # metric) would compare a different score, not the EK-FAC maths
+        sc = score_adapter(s, ix, qitems, direction, preconditioner="ekfac", windows=False, unit_rows=False)
         t_g = time.process_time() - t0
         G = np.asarray(sc.per_item, dtype=np.float64)
         t0 = time.process_time()
-        sc_d = score_adapter(s, ix, qitems, direction, preconditioner="diagonal", windows=False)
+        sc_d = score_adapter(s, ix, qitems, direction, preconditioner="diagonal", windows=False, unit_rows=False)
         t_d = time.process_time() - t0
         D = np.asarray(sc_d.per_item, dtype=np.float64)
         info = sc.precond.describe()
