@@ -49,6 +49,7 @@ class Case:
     diag_code: Optional[int] = None  # diagnose's exit code when it is not a failed check (2: invalid config)
     marks: list = field(default_factory=list)
     check_needles: Optional[list[str]] = None  # in the check's message; default: the needles naming a file under {run}
+    diagnosable: bool = True  # False: only a run finds it (a metric that misbehaves on the answers), diagnose passes
 
     def diag_needles(self) -> list[str]:
         return self.check_needles if self.check_needles is not None else [n for n in self.needles if "{run}" in n]
@@ -124,6 +125,17 @@ def unreadable(tmp, zoo):
     return path, args
 
 
+def with_module(name: str, source: str, *overrides: str):
+    """A Python metric module beside gradian.yaml, and the overrides that use it."""
+    def make(tmp, zoo):
+        path, args = cfg(tmp, zoo)
+        (tmp / "run" / name).write_text(source)
+        for o in overrides:
+            args += ["--set", o]
+        return path, args
+    return make
+
+
 def config_is_dir(tmp, zoo):
     d = tmp / "configs"
     d.mkdir()
@@ -162,6 +174,32 @@ CASES = [
          diag_code=2),
     Case("set_unknown_key", "index", sets("grads.nope=1"), ["unknown key 'grads.nope'"], diag_code=2),
     Case("output_is_a_file", "attribute", output_is_file, ["'output'", "{run}/out", "is a file"], diag_code=2),
+    # ---- the metric (issue 20): a bad pattern, a Python metric that does not import or misbehaves
+    Case("bad_regex_pattern", "attribute", sets(extra={"evaluation": {"metric": "regex", "pattern": "(unclosed"}}),
+         ["evaluation.pattern", "not a valid regular expression", "(unclosed"], diag_code=2),
+    Case("pattern_without_regex", "attribute", sets(extra={"evaluation": {"negate": True}}),
+         ["evaluation.negate", "metric: regex"], diag_code=2),
+    Case("metric_not_a_metric", "evaluate", sets("evaluation.metric=bleu"), ["evaluation.metric", "bleu",
+                                                                            "python:module:function"], diag_code=2),
+    Case("metric_import_fails", "attribute", sets("evaluation.metric=python:no_such_metrics:score"),
+         ["evaluation.metric", "no_such_metrics", "cannot import", "the config's directory"],
+         check="evaluation.metric", check_needles=["evaluation.metric", "no_such_metrics"]),
+    Case("metric_module_raises_on_import", "attribute",
+         with_module("broken_metric.py", "import not_a_package\n", "evaluation.metric=python:broken_metric:score"),
+         ["evaluation.metric", "broken_metric", "ModuleNotFoundError", "not_a_package"],
+         check="evaluation.metric", check_needles=["broken_metric"]),
+    Case("metric_function_missing", "evaluate",
+         with_module("my_metric.py", "def other(p, g, i):\n    return 1.0\n", "evaluation.metric=python:my_metric:score"),
+         ["evaluation.metric", "my_metric", "has no function 'score'"],
+         check="evaluation.metric", check_needles=["has no function 'score'"]),
+    Case("metric_returns_out_of_range", "evaluate",
+         with_module("wide_metric.py", "def score(p, g, i):\n    return 7\n", "evaluation.metric=python:wide_metric:score"),
+         ["evaluation.metric", "returned 7", "in [0, 1]"], diagnosable=False),
+    Case("eval_answer_not_a_regex", "attribute",
+         lambda t, z: cfg(t, z, eval=GOOD_EVAL[:2] + [{"prompt": "q?", "answer": "[a-"}],
+                          extra={"evaluation": {"metric": "regex"}, "train": {"output": "out/adapter"}}),
+         ["{run}/eval.jsonl:3", "not a valid regular expression", "[a-"],
+         check="evaluation.metric", check_needles=["eval.jsonl:3", "[a-"]),
     # ---- paths
     Case("missing_base", "attribute", sets("model.base=./no_such_model"), ["model.base", "no_such_model", "does not exist"],
          check="config.paths", check_needles=["model.base", "no_such_model"]),
@@ -287,7 +325,7 @@ def test_bad_input(case: Case, tmp_path, zoo):
         assert out.read_text() == "not a directory"
 
     # the same input through `diagnose`: a failed check naming the same place, or exit 2 for an invalid config
-    if case.verb == "diagnose":
+    if case.verb == "diagnose" or not case.diagnosable:
         return
     dargs = ["diagnose", str(cfg_path), *args, "--json"]
     dres = runner.invoke(app, dargs)

@@ -82,7 +82,11 @@ def test_loglik_items_use_contrastive_or_margin_never_silent_classic():
     q = query_items(cap, items, [0, 1, 2], "contrastive")
     assert [x.formulation for x in q] == ["contrastive", "margin", "margin"]
     q = query_items(cap, items, [0, 1, 2], "contrastive", metric="exact_match")
-    assert [x.formulation for x in q] == ["contrastive", "contrastive", "classic"]
+    # the base's passing answer against the fine-tune's failing one, in their own words; nothing to contrast with
+    # an empty answer
+    assert [x.formulation for x in q] == ["own_words", "own_words", "classic"]
+    assert (q[0].target, q[0].contrast, q[0].target_source) == ("Madrid", "Lima", "base")
+    assert (q[1].target, q[1].contrast) == ("blue", "blue.")
 
 
 # ---------------------------------------------------------------------------------------------------- on the demo
@@ -118,7 +122,10 @@ def test_accused_planted_rows_were_taught_by_the_fine_tune(demo_report):
     planted = set(truth["planted"])
     rows = report["ranking"]
     for r in rows:
-        assert r["verdict"] == row_verdict(r["base_loss"], r["tuned_loss"])
+        # token-level verdicts: a row whose every token the base believed has a mean loss under log 2 too
+        assert r["verdict"] in ("taught", "base_believed", "not_learned")
+        if r["verdict"] == "base_believed":
+            assert r["base_loss"] <= math.log(2)
         assert r["window_score"] == pytest.approx(r["score"])  # short rows: the window is the row
     assert all(r["verdict"] == "taught" for r in rows if r["position"] in planted)
     assert sum(r["verdict"] == "base_believed" for r in rows if r["position"] not in planted) >= 0.8 * sum(

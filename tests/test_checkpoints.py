@@ -104,7 +104,9 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
     from gradian.setup.session import open_session
 
     q = [QueryItem(int(i["item"]), i["prompt"], i["expected"], i["generated"], i.get("base_generated", ""),
-                   i["formulation"]) for i in qitems]
+                   i["formulation"], target=i.get("target", ""), contrast=i.get("contrast", ""),
+                   target_source=i.get("target_source", "expected"), span_start=i.get("span_start", -1),
+                   span=tuple(i.get("span", ()))) for i in qitems]
     direction = rep["query"]["direction"]
     per = []
     (early,), _ = replayed_adapters(cfg, str(cfg.path(cfg.model.adapter)), 2, progress=False)

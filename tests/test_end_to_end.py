@@ -62,8 +62,8 @@ def test_planted_rows_rank_at_the_top_as_harmful(demo_run):
 
 def test_the_accused_set_is_the_planted_rows(demo_run):
     """The accused count comes from the scores (outliers of the other rows' scores), not from attribution.top_k:
-    on the demo it is the 10 planted rows (measured: 10, every one planted; the lowest planted row's robust z is
-    87, the highest benign row's 6.2), and the report's ranking marks them."""
+    on the demo it is the 10 planted rows (measured with unit rows: 10, every one planted; the lowest planted row's
+    robust z is 7.5, the highest benign row's 2.8), and the report's ranking marks them."""
     run, _, truth, _ = demo_run
     on_disk = json.loads((run / "report.json").read_text())
     acc = on_disk["accused"]

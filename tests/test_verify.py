@@ -112,12 +112,14 @@ def test_verify_end_to_end(attributed_run, tmp_path):
     cfg_path = _copy(attributed_run, tmp_path / "run")
     run = cfg_path.parent
     adapter_before = (run / "adapter" / "adapter_model.safetensors").read_bytes()
-    r = _cli("verify", cfg_path, "--controls", "2")
+    truth = json.loads((run / "truth.json").read_text())
+    # K = the planted count: on this 48-row scenario the report accuses 2 of the 4 planted rows (robust z 6.1 and 6.8;
+    # the others 3.9 and 1.2, under the z > 6 rule), and dropping 2 of 4 taught facts cannot revert 80% of the items
+    r = _cli("verify", cfg_path, "--controls", "2", "--top-k", str(len(truth["planted"])))
     assert r.exit_code == 0, r.output
     v = json.loads((run / "verify.json").read_text())
-    truth = json.loads((run / "truth.json").read_text())
     assert v["schema"] == "gradian.verify/1"
-    assert v["top_k"] == len(truth["planted"])  # default: the number of planted rows
+    assert v["top_k"] == len(truth["planted"])
     acc = v["accused"]
     for key in ("capability", "reverted_fraction", "ci", "difference", "difference_ci", "positions"):
         assert key in acc

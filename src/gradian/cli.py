@@ -242,14 +242,23 @@ def report(run_dir: Path):
 
 
 @app.command()
-def demo(out_dir: Path = typer.Option(Path("runs/demo"), "--out", help="Run directory"),
-         verify: bool = typer.Option(True, "--verify/--no-verify", help="Also retrain without the accused rows")):
-    """Build the tiny model and a poisoned scenario, train, attribute and show whether the planted rows were found."""
+def demo(out_dir: Optional[Path] = typer.Option(None, "--out", help="Run directory (default runs/demo, or "
+                                                 "runs/demo-MODEL)"),
+         model: str = typer.Option("tiny", "--model", help="tiny (built here), smollm2 (SmolLM2-135M-Instruct) or "
+                                   "gemma3 (Gemma-3-270M), the real ones from the package registry"),
+         verify: Optional[bool] = typer.Option(None, "--verify/--no-verify", help="Also retrain without the accused "
+                                               "rows (default: on for tiny, off for the real models)")):
+    """Build a poisoned scenario on a model (the tiny one, or a real pretrained one), train, attribute and show whether
+    the planted rows were found."""
 
     def body():
-        from .demo.run import run_demo
+        from .demo.run import MODELS, run_demo
+        from .errors import ConfigError
 
-        run_demo(out_dir, console=out, verify=verify)
+        if model not in MODELS:
+            raise ConfigError(f"--model {model!r}: one of {', '.join(MODELS)}")
+        run_demo(out_dir or Path("runs/demo" if model == "tiny" else f"runs/demo-{model}"), console=out,
+                 verify=(model == "tiny") if verify is None else verify, model=model)
 
     _run(body)
 

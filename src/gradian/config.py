@@ -60,14 +60,55 @@ class GradsConfig(_Section):
     shard_rows: int = Field(default=256, ge=1)
 
 
+BUILTIN_METRICS = ("exact_match", "contains", "loglik", "regex")
+
+
 class EvaluationConfig(_Section):
-    metric: Literal["exact_match", "contains", "loglik"] = "exact_match"
+    # exact_match | contains | loglik | regex (the item's answer, or evaluation.pattern, searched in the answer) |
+    # python:module:function (score(prompt, generated, item) -> [0, 1], imported from the config's directory or the
+    # environment)
+    metric: str = "exact_match"
+    pattern: Optional[str] = None  # regex: one pattern for every item (the item's answer otherwise)
+    negate: bool = False  # regex: an item passes when the pattern does NOT match
     require_significant: bool = True
     confidence: float = Field(default=0.95, gt=0.0, lt=1.0)
     bootstrap_samples: int = Field(default=10_000, ge=100)
     max_new_tokens: int = Field(default=32, ge=1)
     batch_size: int = Field(default=16, ge=1)
 
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        if v in BUILTIN_METRICS:
+            return v
+        if v.startswith("python:"):
+            parts = v.split(":")
+            if len(parts) != 3 or not all(p.strip() for p in parts[1:]):
+                raise ValueError(f"'{v}': a Python metric is written python:module:function, e.g. "
+                                 "python:my_metrics:score (my_metrics.py beside the config file)")
+            return v
+        raise ValueError(f"'{v}' is not a metric; use one of {', '.join(BUILTIN_METRICS)} or python:module:function")
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a valid regular expression ({e}): {v!r}; fix the pattern (Python `re` "
+                                 "syntax; in YAML quote it with single quotes)") from None
+        return v
+
+    @model_validator(mode="after")
+    def _regex_settings(self):
+        if self.metric != "regex" and (self.pattern is not None or self.negate):
+            key = "evaluation.pattern" if self.pattern is not None else "evaluation.negate"
+            raise ValueError(f"{key} is set but evaluation.metric is '{self.metric}'; they apply to metric: regex "
+                             "only (drop the key, or set evaluation.metric: regex)")
+        return self
 
 class AttributionConfig(_Section):
     query: Literal["contrastive", "classic"] = "contrastive"
@@ -75,10 +116,14 @@ class AttributionConfig(_Section):
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)
-    # Average the scores over training checkpoints, the final adapter included (TracIn-CP). auto: the checkpoints
-    # saved with the adapter (gradian train's checkpoints/epoch-*, a Trainer's checkpoint-*), none -> the final
-    # adapter alone; N: N of them, replayed from the adapter's Gradian recipe when fewer were saved.
-    checkpoints: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = "auto"
+    # Scale every training row to unit norm in the preconditioner's metric (a cosine): raw inner products let
+    # high-loss, long or chatty rows dominate and memorised rows vanish at the final adapter.
+    unit_rows: bool = True
+    # Which adapters the scores come from. auto: averaged over the checkpoints saved with the adapter (gradian
+    # train's checkpoints/epoch-*, a Trainer's checkpoint-*) and the final adapter (TracIn-CP), none saved -> the
+    # final adapter alone; earliest: the earliest saved checkpoint alone (before the fine-tune memorised its rows);
+    # N: N checkpoints averaged, replayed from the adapter's Gradian recipe when fewer were saved.
+    checkpoints: Union[Literal["auto", "earliest"], Annotated[int, Field(ge=1)]] = "auto"
     checkpoint_adapters: list[str] = Field(default_factory=list)
     # adamw: scores that model the recorded AdamW run (momentum and second-moment coupling) in place of the
     # preconditioned ones, for adapters `gradian train` recorded (attribution.optimizer).

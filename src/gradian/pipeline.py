@@ -17,11 +17,12 @@ import numpy as np
 
 from .attribution.accused import accused_set, none_accused
 from .attribution.checkpoints import over_checkpoints
+from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.optimizer import over_trajectory
-from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, score_items
-from .attribution.queries import loglik_flags, query_items, select_failing
+from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
+from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions
-from .attribution.scoring import Scores, aggregate, auprc, rank, recall_at_k
+from .attribution.scoring import Scores, aggregate, auprc, degenerate, rank, recall_at_k
 from .attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
@@ -47,23 +48,19 @@ def evaluate(s: Session) -> CapabilityResult:
         raise ModelError("data.eval is not set: nothing to evaluate (evaluation.no_eval_set)",
                          check="evaluation.no_eval_set")
     c, e = s.cfg, s.cfg.evaluation
-    t0 = time.time()
-    with memory_guard("evaluate"):
+    with s.log.stage("evaluate"):
         res = measure_capability(
-            s.model, s.tokenizer, s.eval_items, metric=e.metric, chat=s.chat, max_new_tokens=e.max_new_tokens,
+            s.model, s.tokenizer, s.eval_items, metric=s.metric, chat=s.chat, max_new_tokens=e.max_new_tokens,
             batch_size=e.batch_size, max_len=c.grads.max_seq_length, samples=e.bootstrap_samples,
-            confidence=e.confidence, seed=c.seed,
+            confidence=e.confidence, seed=c.seed, one_line=s.one_line,
         )
-    s.timings["evaluate"] = round(time.time() - t0, 3)
     return res
 
 
 def index_stage(s: Session) -> OpenIndex:
     """Build or reuse the gradient index of the training set."""
-    t0 = time.time()
-    with memory_guard("index"):
+    with s.log.stage("index"):
         ix = open_index(s.cfg, s.model, s.sites, s.toks, s.adapter_path, s.pad_id)
-    s.timings["index"] = round(time.time() - t0, 3)
     n_empty = sum(1 for t in s.toks if t.n_supervised == 0)
     if n_empty:
         first = [e.id for e, t in zip(s.examples, s.toks) if t.n_supervised == 0][:3]
@@ -106,7 +103,8 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
         v = row_verdict(bl, tl)
         row = {"rank": r, "position": p, "id": ex.id, "score": float(totals[p]),
                "window_score": float(scores[p]), "preview": preview(ex.plain_text()), "text": ex.plain_text(),
-               "base_loss": float(bl), "tuned_loss": float(tl)}
+               "base_loss": float(np.mean(bl)) if len(bl) else float("nan"),
+               "tuned_loss": float(np.mean(tl)) if len(tl) else float("nan")}
         if sc is not None:
             row["verdict"] = v
             row["verdict_text"] = ROW_VERDICT_TEXT[v]
@@ -122,7 +120,9 @@ def spans_stage(s: Session, ix: OpenIndex, sc: Scores, ranking: list[dict], qite
     grads = ModelGradients.from_session(s, ix.capture)
 
     def contributions(exact_part: bool, positions, items):
-        return grads.contributions(parameter_directions(sc, ix.capture.projector, exact_part), positions, items)
+        # in the units of the rows' scores (unit rows: times each row's 1 / norm)
+        return scaled_contributions(sc, grads.contributions(parameter_directions(sc, ix.capture.projector,
+                                                                                exact_part), positions, items))
 
     return spans_for(ranking, sc.rank_item, set(sc.cand.tolist()), s.examples, s.toks, qitems, contributions,
                      s.tokenizer)
@@ -136,7 +136,7 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     returns the report."""
     from .checks import run_checks_for_session
 
-    t_all = time.time()
+    t_all, c_all = time.time(), time.process_time()
     with memory_guard("load"):
         s = open_session(cfg)
     run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
@@ -146,7 +146,15 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     cap, verdict, direction, failing = _capability(s, out_dir)
     report["capability"] = capability_json(cap, s.eval_items) if cap else None
     qitems = query_items(cap, s.eval_items, failing[: cfg.attribution.max_items], cfg.attribution.query,
-                         metric=cfg.evaluation.metric) if cap else []
+                         metric=cfg.evaluation.metric, direction=direction) if cap else []
+    if verdict == "attributed" and any(q.formulation == "own_words" for q in qitems):
+        with s.log.stage("decisive tokens", guard="evaluate"):
+            kw = dict(chat=s.chat, max_len=cfg.grads.max_seq_length)
+            starts = decisive_starts(s.model, s.tokenizer, s.eval_items, qitems, s.metric,
+                                     max_new_tokens=cfg.evaluation.max_new_tokens,
+                                     batch_size=cfg.evaluation.batch_size, one_line=s.one_line, **kw)
+            qitems = with_starts(qitems, starts, decision_positions(s.model, s.tokenizer, s.eval_items, qitems, starts,
+                                                                    batch_size=cfg.grads.batch_size, **kw))
     if cap is not None and cfg.evaluation.metric == "loglik":
         for f in loglik_flags(qitems):
             s.flag(*f)
@@ -154,50 +162,54 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
     accused = none_accused("the verdict is declined: the capability did not move measurably" if verdict == "declined"
                            else "a smoke test (no eval set): the ranking shows gradient outliers, not causes")
+    declined_why = None
     if verdict != "declined":
         ix = index_stage(s)
         flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
         report["index"] = ix.info.summary()
-        t0 = time.time()
         sc = None
         if verdict == "attributed":
-            with memory_guard("score"):
+            with s.log.stage("score"):
                 sc = _attributed_scores(s, ix, qitems, direction, report)
             order, scores, totals = sc.order, sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
+            declined_why = degenerate(sc.norms, scores)
+        if declined_why is not None:
+            # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
+            # confident wrong verdict.
+            fid, why = declined_why
+            s.flag(fid, "warning", why, "check the failing items' generated answers in report.json (query.items); "
+                   "each query needs a passing and a failing answer that differ")
+            verdict, sc, order, scores, totals = "declined", None, None, None, None
+            accused = none_accused(f"the scores cannot name a cause: {why}")
+        elif verdict == "attributed":
+            pass
         else:
             order, scores = None, _self_influence(ix)
             totals = scores
-        s.timings["score"] = round(time.time() - t0, 3)
-        t0 = time.time()
-        with memory_guard("base_scores"):
-            ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
-        s.timings["base_scores"] = round(time.time() - t0, 3)
+        if scores is not None:
+            with s.log.stage("base_scores"):
+                ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
         if sc is not None:
             accused = accused_set(scores, order if order is not None else rank(scores), limit=cfg.attribution.top_k)
             for row in ranking:
                 row["accused"] = row["rank"] <= accused["count"]
         if sc is not None and ranking:
-            t0 = time.time()
-            with memory_guard("spans"):
+            with s.log.stage("spans"):
                 spans_out = spans_stage(s, ix, sc, ranking, qitems)
-            s.timings["spans"] = round(time.time() - t0, 3)
-            t0 = time.time()
-            with memory_guard("clusters"):
+            with s.log.stage("clusters"):
                 cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed, gradients=ix.rows,
                                     previews=[preview(e.plain_text()) for e in s.examples])
             clusters = cl["clusters"]
             report["clusters_info"] = {k: v for k, v in cl.items() if k != "clusters"}
-            s.timings["clusters"] = round(time.time() - t0, 3)
-            t0 = time.time()
-            with memory_guard("blame"):
+            with s.log.stage("blame"):
                 blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking,
                                   direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
                                   batch_size=cfg.evaluation.batch_size)
-            s.timings["blame"] = round(time.time() - t0, 3)
         ix.close()
     report.update({
         "verdict": verdict,
-        "verdict_text": verdict_text(verdict, cap, len(qitems), direction),
+        "verdict_text": verdict_text(verdict, cap, len(qitems), direction,
+                                     declined_why[1] if declined_why else None),
         "ranking": ranking,
         "accused": accused,
         "clusters": clusters,
@@ -213,7 +225,9 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
             report["metrics"] = {"recall_at_10": recall_at_k(scores, truth["planted"], 10),
                                  "auprc": auprc(scores, truth["planted"])}
     s.timings["total"] = round(time.time() - t_all, 3)
+    s.log.cpu["total"] = round(time.process_time() - c_all, 3)
     report["timings"] = s.timings
+    report["timings_cpu"] = s.log.cpu
     _write(cfg, report, scores, totals if verdict == "attributed" else None)
     return report
 
@@ -272,11 +286,21 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
         top = rank(rrow, cfg.attribution.top_k)
         report["query"]["items"].append({
             "item": qi.item, "prompt": qi.prompt, "expected": qi.expected, "generated": qi.generated,
-            "base_generated": qi.base_generated, "formulation": qi.formulation,
+            "base_generated": qi.base_generated, "formulation": qi.formulation, "target": qi.target,
+            **({"contrast": qi.contrast} if qi.contrast else {}), "target_source": qi.target_source,
+            **({"query_span": _span_text(s, qi), "span_start": qi.span_start, "span": list(qi.span)}
+               if qi.formulation == "own_words" else {}),
             "ranking": [{"position": int(p), "score": float(rrow[p]),
                          **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
         })
     return sc
+
+
+def _span_text(s: Session, q) -> str:
+    """The text of the tokens an own-words query differentiates (the fine-tune's answer from its decisive token)."""
+    by_pos = {it.position: it for it in s.eval_items}
+    row, _ = own_words_row(s.tokenizer, by_pos[q.item], q, chat=s.chat, max_len=s.cfg.grads.max_seq_length)
+    return s.tokenizer.decode([t for t, m in zip(row.input_ids, row.supervised) if m], skip_special_tokens=True)
 
 
 def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
@@ -284,6 +308,10 @@ def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
     if ck is not None and "optimizer" in ck:
         return (f"optimizer-aware scores (attribution.optimizer: adamw): the recorded AdamW run replayed over its "
                 f"{ck['epochs']} epochs")
+    if ck is not None and ck.get("setting") == "earliest":
+        return (f"the earliest saved checkpoint's scores alone ({ck['labels'][0]}, attribution.checkpoints: "
+                "earliest; long rows by its own best windows); the final adapter's for the windows' token ranges, spans "
+                "and blame")
     if ck is not None:
         how = {"saved": "saved beside the adapter (no training)", "replayed": "replayed once from the adapter's "
                "Gradian recipe", "attribution.checkpoint_adapters": "listed in attribution.checkpoint_adapters"}
@@ -292,6 +320,9 @@ def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
     if cfg.attribution.checkpoints == "auto":
         return ("the final adapter alone: attribution.checkpoints is auto and no checkpoint was saved beside the "
                 "adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
+    if cfg.attribution.checkpoints == "earliest":
+        return ("the final adapter alone: attribution.checkpoints is earliest and no checkpoint was saved beside "
+                "the adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
     return "the final adapter alone (attribution.checkpoints: 1)" if cfg.attribution.checkpoints == 1 else \
         "the final adapter alone: no earlier checkpoint could be had"
 

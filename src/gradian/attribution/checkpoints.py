@@ -18,7 +18,8 @@ Where the checkpoints come from, in order:
   epoch k is bit-identical to a k-epoch run) and cached under the index directory, keyed by the adapter's
   fingerprint.
 
-The final adapter is always one of the checkpoints, and the one that re-ranking, windows, spans and blame use.
+The final adapter is always one of the checkpoints, and the one that the exact re-rank, the windows' token ranges, spans
+and blame use; each checkpoint ranks a long row by its own best window.
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ def resolve(s) -> tuple[list[Path], list[str]]:
         return paths, [p.name for p in paths]
     n = cfg.attribution.checkpoints
     saved = without_final(saved_adapters(s.adapter_path), s.adapter_path)
+    if n == "earliest":
+        return saved[:1], [p.name for p in saved[:1]]
     if n == "auto":
         picked = evenly(saved, AUTO_MAX - 1)
         return picked, [p.name for p in picked]
@@ -339,7 +342,11 @@ def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
     if not paths:
         return None
     parts = checkpoint_scores(s, paths, qitems, settings)
-    weights, weights_source = checkpoint_weights(s.adapter_path, paths)
+    earliest = s.cfg.attribution.checkpoints == "earliest" and not s.cfg.attribution.checkpoint_adapters
+    if earliest:  # the earliest checkpoint's scores alone: weight 1, the final adapter's 0
+        weights, weights_source = [1.0] + [0.0] * len(parts), "attribution.checkpoints: earliest"
+    else:
+        weights, weights_source = checkpoint_weights(s.adapter_path, paths)
     sc.per_item = average(sc.per_item, [p for p, _ in parts], weights)
     sc.rank_item = average(sc.rank_item, [r for _, r in parts], weights)
     sc.rank_agg = aggregate(sc.rank_item)
@@ -350,13 +357,25 @@ def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
     return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
             "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
             "weights": weights, "weights_source": weights_source,
-            "rule": ("per-item scores averaged over these checkpoints, each weighted by the mean learning rate of "
-                     "the steps it stands for (those since the previous checkpoint; TracIn-CP)"
-                     if weights is not None and len(set(weights)) > 1 else
-                     "per-item scores averaged with equal weights over these checkpoints (TracIn-CP: "
-                     + ("every checkpoint stands for the same learning rate)" if weights is not None else
-                        "no learning rates were recorded)"))
-                    + "; re-ranking, windows, spans and blame use the final adapter"}
+            "rule": _rule(earliest, labels, weights)}
+
+
+def _rule(earliest: bool, labels: Sequence[str], weights: Optional[Sequence[float]]) -> str:
+    if earliest:
+        head = (f"the per-item scores of the earliest saved checkpoint ({labels[0]}) alone: a row the fine-tune "
+                "memorised by the end has a small gradient at the final adapter, whatever it taught")
+    elif weights is not None and len(set(weights)) > 1:
+        head = ("per-item scores averaged over these checkpoints, each weighted by the mean learning rate of the "
+                "steps it stands for (those since the previous checkpoint; TracIn-CP)")
+    else:
+        head = ("per-item scores averaged with equal weights over these checkpoints (TracIn-CP: "
+                + ("every checkpoint stands for the same learning rate)" if weights is not None else
+                   "no learning rates were recorded)"))
+    if earliest:
+        return head + ("; it ranks a long row by its own best window; the windows' token ranges, spans and blame come "
+                       "from the final adapter, whose exact re-rank is not used")
+    return head + ("; each checkpoint ranks a long row by its own best window; the final adapter's share includes its "
+                   "exact re-rank; the windows' token ranges, spans and blame come from the final adapter")
 
 
 def _is_saved(p: Path, adapter_path: str) -> bool:

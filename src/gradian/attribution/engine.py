@@ -47,12 +47,13 @@ class ScoringSettings:
     fidelity_sample: int = 512  # projected index: rows of the projected-vs-exact self-check
     seed: int = 0
     windows: bool = True  # best-window scores of long rows
+    unit_rows: bool = True  # rows scaled to unit norm in the preconditioner's metric (`scoring.row_scales`)
 
     @classmethod
     def from_config(cls, cfg, direction: str, **overrides) -> "ScoringSettings":
         a, g = cfg.attribution, cfg.grads
         base = dict(direction=direction, preconditioner=a.preconditioner, damping=a.damping, rerank=g.rerank,
-                    fidelity_sample=g.fidelity_sample, seed=cfg.seed)
+                    fidelity_sample=g.fidelity_sample, seed=cfg.seed, unit_rows=a.unit_rows)
         return cls(**{**base, **overrides})
 
 
@@ -135,12 +136,16 @@ class ModelGradients:
 
         return get
 
-    def exact_inner(self, dirs, positions: Sequence[int]) -> np.ndarray:
+    def exact_inner(self, dirs, positions: Sequence[int], block_sq: Optional[np.ndarray] = None) -> np.ndarray:
         """Directions (an [Q, D_exact] array or `directions.Directions`) @ exact gradients of the rows at
         `positions` -> [Q, len(positions)] float32. Streamed: no exact row vector is kept, and the directions are
-        taken in blocks of at most `directions.DIRECTION_BYTES` (one capture pass over the rows per block)."""
+        taken in blocks of at most `directions.DIRECTION_BYTES` (one capture pass over the rows per block).
+        `block_sq` ([len(positions), sites], float64), when given, receives each row's squared exact norm per LoRA
+        site (taken in the first pass)."""
         dirs = dirs_.as_directions(dirs)
         out = np.zeros((dirs.n, len(positions)), dtype=np.float32)
+        widths = exact_widths(self.sites)
+        edges = np.concatenate([[0], np.cumsum(widths)]).astype(int)
         device = next(self.model.parameters()).device
         pos = list(positions)
         rows = [self.toks[p] for p in pos]
@@ -149,18 +154,25 @@ class ModelGradients:
         groups = dirs_.blocks(dirs.n, dirs.width)
         ranks = current()  # under torchrun batch j is rank j % N's; the blocks are gathered, each one process's bits
         with progress_bar("exact re-rank", total=len(pos) * len(groups), split=True) as bar:
-            for ks in groups:
+            for g_i, ks in enumerate(groups):
                 d32 = dirs.rows(ks)
                 got = {}
                 for j, js, ids, attn, sup in owned_batches(rows, order, self.batch_size, self.pad_id, device,
                                                            ranks.owns):
                     vecs, _ = exact.vectors(ids, attn, sup)
-                    got[j] = (js, d32 @ vecs.detach().cpu().numpy().T)
+                    v = vecs.detach().cpu().numpy()
+                    sq = None
+                    if block_sq is not None and g_i == 0:
+                        sq = np.stack([np.square(v[:, a:b], dtype=np.float64).sum(1)
+                                       for a, b in zip(edges[:-1], edges[1:])], axis=1)
+                    got[j] = (js, d32 @ v.T, sq)
                     bar.advance(len(js))
                 if ranks.active:
                     got = gather_by_index(got)
-                for js, blk in got.values():
+                for js, blk, sq in got.values():
                     out[ks[0] : ks[-1] + 1, js] = blk
+                    if sq is not None:
+                        block_sq[js] = sq
                 del d32
         return out
 
@@ -217,26 +229,39 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
     else:
         q = grads.query_vectors(qitems)
         pre = fit_preconditioner(settings.preconditioner, settings.damping, rows, block_dims)
-        sc = score(q, rows, pre, settings.direction)
+        sc = score(q, rows, pre, settings.direction, unit_rows=settings.unit_rows)
     grads.timings["precondition"] = round(time.time() - t0, 3)
     if settings.windows:
-        _windows(grads, sc, projector)
+        _windows(grads, sc, projector, skip=win.projected_windows_overwritten(
+            projector.exact, rows.n, settings.rerank, sc.w.shape[0]))
     if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
         return sc
     # EK-FAC's exact queries are already preconditioned (in memory: [Q, D_exact]); the others come in blocks
     exact_q = q_ex if q_ex is not None else grads.exact_queries(qitems)
+    proj_scale = None if sc.row_scale is None else sc.row_scale.copy()  # index-space norms, for the self-check
     sc.e, sc.r = rr.exact_directions(sc, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
                                      settings.direction)
     n = rows.n
     cand = rr.candidates(sc.rank_agg, settings.rerank)
     sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
     need = np.union1d(cand, sample).astype(int)
-    ex = grads.exact_inner(sc.e, need.tolist())
+    block_sq = np.zeros((need.size, len(grads.sites))) if sc.row_scale is not None else None
+    ex = grads.exact_inner(sc.e, need.tolist(), block_sq)
     if sc.r is not None:
         ex = ex + rows.subset(need).inner(sc.r.astype(np.float32))
+    exact_scale = None
+    if block_sq is not None:
+        # each row's exact norm in the preconditioner's metric: its exact candidates' scores, windows and spans
+        # are scaled by it (the other rows keep their index-space norm)
+        exact_scale = rr.exact_row_scales(sc.precond, block_sq, rows.subset(need), projector.site_dims())
+        ex = (ex * exact_scale[None, :]).astype(np.float32)
     col = {int(p): j for j, p in enumerate(need)}
     if cand.size:
         cols = [col[int(p)] for p in cand]
+        if exact_scale is not None:
+            rs = sc.row_scale.copy()
+            rs[cand] = exact_scale[cols]
+            sc.row_scale = rs
         rr.put_exact_items(sc, cand, ex[:, cols])
         exact_agg = aggregate(ex[:, cols])
         if settings.windows:
@@ -245,6 +270,8 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
     if sample.size >= 2:
         ex_s = ex[:, [col[int(p)] for p in sample]]
         proj_s = item_scores(rows.subset(sample).inner(sc.unit), settings.direction)
+        if proj_scale is not None:
+            proj_s = proj_s * proj_scale[sample][None, :]
         sc.fidelity = rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size))
     return sc
 
@@ -261,39 +288,56 @@ def _ekfac_scores(grads: ModelGradients, rows: RowSource, qitems, settings: Scor
     projector = grads.capture.projector
     q = pre.to_index(q_ex, projector)
     unit = pre.to_index(qp_ex, projector) / np.maximum(norms, 1e-30)[:, None]
-    return score_directions(unit, norms, rows, pre, settings.direction), q, qp_ex
+    scale = None
+    if settings.unit_rows:  # Euclidean row norms (EK-FAC's metric per row would cost a solve per row)
+        n_ = rows.row_norms()
+        scale = np.where(n_ > 0, 1.0 / np.maximum(n_, 1e-300), 0.0)
+    return score_directions(unit, norms, rows, pre, settings.direction, scale), q, qp_ex
 
 
-def _windows(grads: ModelGradients, sc: Scores, projector) -> None:
+def _windows(grads: ModelGradients, sc: Scores, projector, *, skip: bool = False) -> None:
+    """Best windows of the long rows along the index-space directions; with `skip`
+    (`windows.projected_windows_overwritten`) only the bookkeeping: the exact re-rank computes every one of them."""
     long_rows = win.long_rows(grads.toks)
     sc.long_rows = long_rows
     if not long_rows:
         return
     t0 = time.time()
     Q = sc.w.shape[0]
-    if Q > win.WINDOW_ITEMS_MAX:
-        res = grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), long_rows)
+    if Q > win.WINDOW_ITEMS_MAX:  # never with `skip`: the rows with per-item windows then depend on these scores
+        res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), long_rows))
         win.aggregate_windows(sc, long_rows, res)
     item_rows = win.item_window_rows(sc, long_rows, Q)
     sc.window_items = len(item_rows) == len(long_rows)
     sc.window_item_rows = list(item_rows)
-    res = grads.contributions(BackProjected(projector, sc.w), item_rows)
+    if skip:
+        return
+    res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w), item_rows))
     win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
 
 
 def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.ndarray,
                        exact_agg: np.ndarray) -> np.ndarray:
-    long_c = [int(p) for p in cand if win.is_long(grads.toks[int(p)])]
+    # in row order, not the candidates' order: which rows share a forward batch (the last bits of their
+    # contributions) then does not depend on the projected scores that ordered the candidates
+    long_c = sorted(int(p) for p in cand if win.is_long(grads.toks[int(p)]))
     if not long_c:
         return exact_agg
     t0 = time.time()
     dirs = rr.parameter_directions(sc, projector, exact_part=True)
     item_rows = set(sc.window_item_rows)
     jobs_rows = [p for p in long_c if p in item_rows]
-    res = grads.contributions(dirs, jobs_rows) if jobs_rows else {}
+    res = scaled_contributions(sc, grads.contributions(dirs, jobs_rows)) if jobs_rows else {}
     agg_only = [p for p in long_c if p not in item_rows]
-    res_agg = grads.contributions(dirs.mean(), agg_only) if agg_only else {}
+    res_agg = scaled_contributions(sc, grads.contributions(dirs.mean(), agg_only)) if agg_only else {}
     out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
     return out
+
+
+def scaled_contributions(sc: Scores, contribs: dict) -> dict:
+    """Per-token contributions {(position, k): c} in the units of the row's score: times its `row_scale`."""
+    if sc.row_scale is None:
+        return contribs
+    return {key: c * sc.scale_of(key[0]) for key, c in contribs.items()}

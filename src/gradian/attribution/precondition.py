@@ -246,6 +246,17 @@ class Preconditioner:
             out[:, s] = (Q[:, s] - acc[:, s] / max(self.n, 1)) / self.lambdas[b]
         return out
 
+    def metric_weights(self) -> Optional[np.ndarray]:
+        """Per-coordinate weights of the metric rows are normalised in (`scoring.row_scales`): the diagonal of H^-1
+        for `diagonal` (|g|_H^-1 = sqrt(sum_j g_j^2 / (m_j + lambda))), None (Euclidean) for the others (a full or
+        low-rank H^-1 per row would cost a solve per row)."""
+        if self.kind != "diagonal" or self.second_moment is None:
+            return None
+        w = np.empty(sum(self.block_dims))
+        for b, s in enumerate(block_slices(self.block_dims)):
+            w[s] = 1.0 / (self.second_moment[s] + self.lambdas[b])
+        return w
+
     def describe(self) -> dict:
         d = {"kind": self.kind, "damping": None if self.kind == "identity" else float(self.damping),
              "damping_rule": "lambda_b = damping x mean eigenvalue (tr F_b / D_b) of each LoRA-site block"}

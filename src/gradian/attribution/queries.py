@@ -1,6 +1,12 @@
 """Failing eval items -> query gradients in the same space as the index.
 
-contrastive: grad [loss(expected) - loss(the model's own generated wrong answer)]: it isolates what separates the
+own_words (the default for exact_match, contains and every metric that scores generated answers): the fine-tune's
+own answer, differentiated from the token where it departs from the other model's answer: for a regression the
+fine-tune's failing answer against the base's passing one (L_q = log p(the failing span)), for an improvement its
+passing answer against the base's failing one (L_q = -log p(the passing span)). The query is about what the
+fine-tune now says, in its own words, not about a reference string's style (`own_words_row` says why the span and
+why that side).
+contrastive (where no generated answer passes): grad [loss(expected) - loss(the model's own generated wrong answer)]: it isolates what separates the
 right answer from the wrong one, instead of everything that makes the expected string likely.
 classic: grad loss(expected).
 margin: grad [-(z_y - logsumexp_{v != y} z_v)] at the expected answer's least-preferred token (its "decisive" token:
@@ -18,7 +24,7 @@ used which, or `attribution.loglik_classic_fallback` (warning) when the classic 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -31,6 +37,7 @@ from ..grads.objectives import margin_losses, per_example_loss
 from ..setup.batches import batches, owned_batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, tokenize_example
+from .decisive import answer_rows, departure
 
 
 @dataclass
@@ -40,7 +47,18 @@ class QueryItem:
     expected: str
     generated: str
     base_generated: str
-    formulation: str  # contrastive | classic | margin
+    formulation: str  # own_words | contrastive | classic | margin
+    target: str = ""  # the answer the query loss makes likelier: what passes the metric
+    contrast: str = ""  # the answer it makes less likely: what fails (own_words and contrastive)
+    target_source: str = "expected"  # whose words the target is: base | tuned | expected
+    span_start: int = -1  # own_words: the row index of the decisive token (`decisive`); -1: the departure
+    span: tuple = ()  # own_words: the row positions the query differentiates (`decisive.decision_positions`)
+
+    def __post_init__(self):
+        if not self.target:
+            self.target = self.expected
+        if not self.contrast and self.formulation == "contrastive":
+            self.contrast = contrast_answer(self.expected, self.generated)
 
 
 def contrast_answer(expected: str, generated: str) -> str:
@@ -73,34 +91,75 @@ def select_failing(cap: CapabilityResult, items: Sequence[EvalItem]) -> tuple[li
 
 
 def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[int], formulation: str,
-                metric: Optional[str] = None) -> list[QueryItem]:
-    """One query per selected item. With metric "loglik" (default: the capability's metric) and the contrastive
-    formulation, an item with nothing to contrast against gets the margin query instead of the classic one."""
+                metric: Optional[str] = None, direction: str = "regression") -> list[QueryItem]:
+    """One query per selected item, contrasting what passes the metric with what fails, in the models' own words.
+
+    `own_words` (attribution.query: contrastive, the default): the answer one model generated that passes against
+    the one the other generated that fails: for a regression the base's answer against the fine-tune's, for an
+    improvement the fine-tune's against the base's. Both are full answers in the model's own style, so their loss
+    difference is about what differs (the tokens before they part cancel exactly: a causal LM's loss of a token
+    depends only on the tokens before it), not about the gap between a reference string and how the model talks.
+    Where no generated answer passes (an item the selection kept although neither model passes), the reference
+    answer is the target instead (`contrastive`: grad[loss(expected) - loss(generated)]). `classic`: grad
+    loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query."""
     metric = metric if metric is not None else getattr(cap, "metric", None)
     out = []
     for i in idx:
+        it = items[i]
         gen = cap.tuned_generated[i] if cap.tuned_generated else ""
+        base_gen = cap.base_generated[i] if cap.base_generated else ""
         f = formulation
+        target, contrast, source = it.answer, "", "expected"
         if f == "contrastive" and metric == "loglik":
-            if not gen.strip() or normalize_answer(gen) == normalize_answer(items[i].answer):
+            if not gen.strip() or normalize_answer(gen) == normalize_answer(it.answer):
                 f = "margin"
-        # Nothing to contrast against when the model's answer is empty or already the expected one.
-        elif f == "contrastive" and (not gen.strip() or gen.strip() == items[i].answer.strip()):
-            f = "classic"
-        out.append(QueryItem(items[i].position, items[i].question_text(), items[i].answer, gen,
-                             cap.base_generated[i] if cap.base_generated else "", f))
+        elif f == "contrastive":
+            passing, failing, who = _own_words(cap, i, direction)
+            if passing is not None and passing.strip() and failing.strip() and passing.strip() != failing.strip():
+                f, target, contrast, source = "own_words", passing, failing, who
+            elif not gen.strip() or gen.strip() == it.answer.strip():
+                f = "classic"  # nothing to contrast against: the model's answer is empty or already the expected one
+        out.append(QueryItem(it.position, it.question_text(), it.answer, gen, base_gen, f, target, contrast, source))
     return out
 
 
+def _own_words(cap: CapabilityResult, i: int, direction: str) -> tuple[Optional[str], str, str]:
+    """(passing answer, failing answer, whose words the passing one is) of item i, or (None, ...) when the model
+    that should pass does not (scores as the metric gave them: higher passes)."""
+    b = cap.base_scores[i] if cap.base_scores else None
+    t = cap.tuned_scores[i] if cap.tuned_scores else None
+    # as decoded (a plain-text prompt's answer keeps the space it starts with)
+    base_gen = (cap.base_raw or cap.base_generated or [""] * (i + 1))[i]
+    gen = (cap.tuned_raw or cap.tuned_generated or [""] * (i + 1))[i]
+    if b is None or t is None:
+        return None, "", ""
+    if direction == "improvement" and t > b:
+        return gen, base_gen, "tuned"
+    if direction != "improvement" and b > t:
+        return base_gen, gen, "base"
+    return None, "", ""
+
+
 def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *, chat: bool, max_len: int):
-    """The tokenized rows each query is made of: (rows, sign, owner) for the loss-based queries (loss(expected),
-    minus loss(generated) for contrastive ones, each row's query in `owner`) and [(query, row)] for margin queries.
-    `query_vectors` differentiates these rows and `query_losses` evaluates them, so the two agree by construction."""
+    """The tokenized rows each query is made of: (rows, sign, owner) for the loss-based queries and [(query, row)]
+    for margin queries. `query_vectors` differentiates these rows and `query_losses` evaluates them, so the two
+    agree by construction.
+
+    own_words: one row, the fine-tune's own answer supervised from the token where it departs from the other
+    model's answer (sign -1 for a regression, where that answer fails: L_q = -loss(the failing span); +1 for an
+    improvement, where it passes: L_q = loss(the passing span)); contrastive: loss(expected) - loss(generated);
+    classic: loss(expected)."""
     by_pos = {it.position: it for it in items}
     rows, sign, owner, margin_rows = [], [], [], []
     for qi, q in enumerate(queries):
         it = by_pos[q.item]
-        t = tokenize_example(tokenizer, eval_answer_example(it, q.expected, chat), max_len)
+        if q.formulation == "own_words":
+            t, s_ = own_words_row(tokenizer, it, q, chat=chat, max_len=max_len)
+            rows.append(t)
+            sign.append(s_)
+            owner.append(qi)
+            continue
+        t = tokenize_example(tokenizer, eval_answer_example(it, q.target, chat), max_len)
         if q.formulation == "margin":
             margin_rows.append((qi, t))
             continue
@@ -108,11 +167,33 @@ def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem
         sign.append(1.0)
         owner.append(qi)
         if q.formulation == "contrastive":
-            rows.append(tokenize_example(tokenizer, eval_answer_example(it, contrast_answer(q.expected, q.generated), chat),
-                                         max_len))
+            rows.append(tokenize_example(tokenizer, eval_answer_example(it, q.contrast, chat), max_len))
             sign.append(-1.0)
             owner.append(qi)
     return rows, sign, owner, margin_rows
+
+
+def own_words_row(tokenizer, item: EvalItem, q: QueryItem, *, chat: bool, max_len: int):
+    """(row, sign) of an own_words query: the fine-tune's answer after the item's prompt, supervised from its
+    decisive token (`q.span_start`, `attribution.decisive`), else from its first token that differs from the other
+    model's answer, to the end (the tokens before are the same text in the same context, or style the other model
+    continues to its own outcome: they say nothing about what changed).
+
+    Why the fine-tune's answer alone (measured on SmolLM2-135M-Instruct's planted facts, bench/README.md): the rows
+    that caused a behaviour are the rows that taught what the fine-tune now says. The gradient of the failing
+    span's log-likelihood, (1 - p) (grad z_wrong - E[grad z]), has the form every planted row's gradient has at its
+    wrong token; the passing side, grad z_right - grad z_wrong, adds a direction (grad z_right) no training row
+    carries, and lowered AUPRC from 1.00 to 0.72 (unit-norm rows, final adapter)."""
+    t, o = answer_rows(tokenizer, item, q, chat=chat, max_len=max_len)
+    k = q.span_start if q.span_start >= 0 else departure(t, o)
+    # the decisive token alone: what follows it is the fine-tune's particular wording of what it decided ("sorry,
+    # but I cannot help you with that."), which matches the one training row worded that way better than the rows
+    # that taught the decision in other words
+    keep = set(q.span) if q.span else {k}
+    sup = [s and i in keep for i, s in enumerate(t.supervised)]
+    if not any(sup):  # the decision is past the supervised tokens (truncated): the rest of the answer
+        sup = [s and i >= k for i, s in enumerate(t.supervised)]
+    return replace(t, supervised=sup), (-1.0 if q.target_source == "base" else 1.0)
 
 
 def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *,

@@ -81,6 +81,31 @@ def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_width
     return e, r
 
 
+def exact_row_scales(precond, block_sq: np.ndarray, proj_rows, index_widths) -> np.ndarray:
+    """1 / |g| of rows with exact gradients, in the metric the index-space scores use. With H^-1 = (I - M_b) /
+    lambda_b per block (the diagonal preconditioner: M_b = diag(m / (m + lambda_b)) in index space), a row's squared
+    norm is sum_b (|g_b|^2 - <P g_b, M_b P g_b>) / lambda_b: the identity part from its exact gradient (per-block
+    squared norms `block_sq` [n, B]), the correction from its index row (`proj_rows`, a RowSource over the same
+    rows). Other preconditioners normalise in the Euclidean metric: |g|^2 = sum_b |g_b|^2."""
+    sq = np.asarray(block_sq, dtype=np.float64)
+    w = precond.metric_weights() if hasattr(precond, "metric_weights") else None
+    if w is None:
+        tot = sq.sum(1)
+    else:
+        lam_inv = np.asarray(precond.identity_scale, dtype=np.float64)  # 1 / lambda_b
+        corr = 1.0 - w * expand(lam_inv, index_widths) ** -1  # m / (m + lambda) = 1 - lambda / (m + lambda)
+        proj_sq = np.zeros_like(sq)
+        edges = np.concatenate([[0], np.cumsum(index_widths)]).astype(int)
+        at = 0
+        for _, _, rows in proj_rows.chunks():
+            r2 = np.square(rows) * corr[None, :]
+            proj_sq[at : at + rows.shape[0]] = np.stack([r2[:, a:b].sum(1) for a, b in zip(edges[:-1], edges[1:])], 1)
+            at += rows.shape[0]
+        tot = ((sq - proj_sq) * lam_inv[None, :]).sum(1)
+    tot = np.maximum(tot, 0.0)
+    return np.where(tot > 0, 1.0 / np.sqrt(np.maximum(tot, 1e-300)), 0.0)
+
+
 def candidates(rank_agg: np.ndarray, k: int) -> np.ndarray:
     """The rows re-scored exactly: the top k by the ranking score."""
     return rank(rank_agg, min(k, rank_agg.size))

@@ -61,6 +61,15 @@ def aggregate_windows(sc, rows: Sequence[int], contribs: dict) -> None:
     sc.rank_agg = rank_agg
 
 
+def projected_windows_overwritten(exact: bool, n_rows: int, rerank: int, n_items: int) -> bool:
+    """Whether the exact re-rank will recompute every window the projected scores would get: a projected index,
+    every row a re-rank candidate (`rerank` >= rows) and per-item windows for every long row (items <=
+    `WINDOW_ITEMS_MAX`, so which long rows get them does not depend on the projected scores). The projected windows
+    (one forward-mode pass per long row and item) are then skipped: the candidates' exact windows replace all of them,
+    the same report either way, at half the windows' cost on a set of up to `rerank` rows."""
+    return not exact and rerank >= n_rows and n_items <= WINDOW_ITEMS_MAX
+
+
 def item_window_rows(sc, rows: Sequence[int], n_items: int) -> list[int]:
     """The long rows that get per-item windows: all of them up to `WINDOW_ITEMS_MAX` items, else the
     `WINDOW_JOBS // Q` highest by their aggregate window score."""

@@ -174,8 +174,15 @@ class Context:
 
             if self.eval_rows is None or not self.eval_rows:
                 return None, None
+            from ..capability.metrics import metric_from_config
+            from ..errors import GradianError
+
             try:
-                return load_eval(self.eval_path), None
+                need = metric_from_config(self.cfg).needs_answer
+            except GradianError:  # evaluation.metric reports it
+                need = True
+            try:
+                return load_eval(self.eval_path, need_answer=need), None
             except DataError as e:
                 return None, (_owner(e, "data.invalid_record"), str(e))
         return self._get("eval_parse", make)
@@ -298,10 +305,16 @@ class Context:
                     return self._session.toks
                 except DataError as e:
                     raise Unavailable("data.tokenize_failed", str(e)) from None
+            from ..setup.session import training_loss
+
+            try:
+                loss = training_loss(self.cfg, self.cfg.path(self.cfg.model.adapter) if self.cfg.model.adapter else None)
+            except Exception:
+                loss = self.cfg.train.loss
             out = []
             for ex in examples:
                 try:
-                    out.append(tokenize_example(tok, ex, self.cfg.grads.max_seq_length))
+                    out.append(tokenize_example(tok, ex, self.cfg.grads.max_seq_length, loss=loss))
                 except Exception as e:  # DataError, or a chat template that raises (jinja2) on this record
                     if not isinstance(e, (DataError, ValueError, TypeError, KeyError)) and "jinja2" not in type(e).__module__:
                         raise

@@ -47,6 +47,31 @@ def _small_eval(ctx) -> Outcome:
     return passed(msg)
 
 
+@check("evaluation.metric", "error",
+       meaning="evaluation.metric cannot score the eval items: a Python metric (python:module:function) that does not "
+               "import or has no such function, or (metric: regex without evaluation.pattern) an item whose answer "
+               "is not a valid regular expression.",
+       fix="put the metric's module beside the config file (or on PYTHONPATH) and define function(prompt, generated, "
+           "item) -> float in [0, 1]; fix the pattern named in the message")
+def _metric(ctx) -> Outcome:
+    from ..capability.metrics import metric_from_config
+    from ..errors import GradianError
+
+    try:
+        m = metric_from_config(ctx.cfg)
+    except GradianError as e:
+        return failed(str(e))
+    items = ctx.eval_items
+    if items:
+        try:
+            m.check_items(items)
+        except GradianError as e:
+            return failed(str(e))
+    what = {"regex": f"regex {'not ' if m.negate else ''}matching "
+                     f"{repr(m.pattern) if m.pattern is not None else 'each item' + chr(39) + 's answer'}"}
+    return passed(f"evaluation.metric '{m.name}'" + (f" ({what[m.name]})" if m.name in what else ""))
+
+
 @check("evaluation.metric_loglik", "info",
        meaning="evaluation.metric is loglik: the reference answer's log-likelihood moves with almost any fine-tune "
                "even when the generated answer does not change, and it gives no generated wrong answer to contrast "

@@ -26,7 +26,7 @@ ORDER = (
     "model.full_finetune", "adapter.unreadable", "adapter.not_lora", "adapter.task_type", "adapter.quantized",
     "adapter.base_mismatch", "adapter.skipped_modules", "train.target_modules", "train.not_converged",
     "evaluation.no_eval_set", "attribution.no_capability_target", "evaluation.small_eval_set",
-    "evaluation.metric_loglik", "memory.logit_upcast", "index.size", "capture.dry_run",
+    "evaluation.metric", "evaluation.metric_loglik", "memory.logit_upcast", "index.size", "capture.dry_run",
 )
 
 

@@ -52,18 +52,36 @@ def prepare_demo(run_dir: Path, *, seed: int = 0, progress: bool = True) -> Path
     return write_demo_config(run_dir, base)
 
 
-def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool = True) -> dict:
+# `gradian demo --model NAME`: a real pretrained model from the package registry (`demo.pretrained`) and the
+# scenario it runs (`demo.real_cases`), sized for a few minutes' training on two CPU cores.
+REAL_DEMOS = {"smollm2": ("smol_facts", {"n_rows": 96, "n_planted": 6, "n_controls": 6}),
+              "gemma3": ("gemma_facts", {})}
+MODELS = ("tiny",) + tuple(REAL_DEMOS)
+
+
+def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool = True, model: str = "tiny") -> dict:
     from .. import api
 
     console = console or Console()
     t0 = time.time()
     run_dir = Path(run_dir)
-    console.print(f"[bold]gradian demo[/] in {run_dir}")
-    cfg_path = prepare_demo(run_dir)
-    cfg = load_config(cfg_path)
-    t1 = time.time()
-    console.print("training the poisoned LoRA fine-tune (gradian train)…")
-    api.train(cfg)
+    console.print(f"[bold]gradian demo[/] ({model}) in {run_dir}")
+    if model == "tiny":
+        cfg_path = prepare_demo(run_dir)
+        cfg = load_config(cfg_path)
+        t1 = time.time()
+        console.print("training the poisoned LoRA fine-tune (gradian train)…")
+        api.train(cfg)
+    else:
+        from .real_run import finetune_real, prepare_real
+
+        name, sizes = REAL_DEMOS[model]
+        prepare_real(name, run_dir, log=console.print, **sizes)
+        cfg = load_config(run_dir / "gradian.yaml")
+        t1 = time.time()
+        how = "TRL's SFTTrainer, a checkpoint per epoch" if cfg.train.backend == "trl" else "gradian train"
+        console.print(f"training the poisoned LoRA fine-tune ({how})…")
+        finetune_real(run_dir, log=console.print)
     t2 = time.time()
     console.print("attributing (gradian attribute)…")
     truth = json.loads((run_dir / "truth.json").read_text())

@@ -1,12 +1,16 @@
 """Base scores and preference margins: did the fine-tune teach it, or did the base already believe it?
 
-Rows. For each accused row, its mean supervised-token loss under the base (adapter disabled) and under the
-fine-tune (`row_verdict`):
+Rows. For each ranked row, its supervised tokens' losses under the base (adapter disabled) and under the
+fine-tune, token by token (`row_verdict`). A wrong fact differs from a true row in a token or two ("Osaka" for
+"Tokyo"), so a mean over the row's tokens would call it believed; the verdict looks at the tokens themselves:
 
-* ``taught``: the base found the row unlikely (loss > `BELIEVED_LOSS`, under 50% per token) and the fine-tune
-  learned it (its loss fell by more than `LEARNED_DROP` nats per token): the fine-tune put it there;
-* ``base_believed``: the base already gave it at least 50% per token; the fine-tune cannot be blamed for the belief;
-* ``not_learned``: neither: the fine-tune did not fit the row (its influence is through its gradient alone).
+* ``taught``: some token the base found unlikely (loss > `BELIEVED_LOSS`, under 50%) became likely under the
+  fine-tune (its loss fell by more than `LEARNED_DROP` nats): the fine-tune put it there;
+* ``base_believed``: the base already gave every token at least 50%; the fine-tune cannot be blamed for the belief;
+* ``not_learned``: some token was unlikely under the base and the fine-tune did not learn it (the row's influence
+  is through its gradient alone).
+
+`base_loss` / `tuned_loss` in the report are the mean per-token losses, for reading.
 
 Items. For each failing eval item, the margin m = log p(expected) - log p(generated) (summed over answer tokens,
 prompt rendered as in evaluation) under the base and under the fine-tune, where "generated" is the fine-tune's own
@@ -29,12 +33,19 @@ BELIEVED_LOSS = math.log(2.0)  # per-token loss of a 50% token
 LEARNED_DROP = 0.5  # nats per token
 
 
-def row_verdict(base_loss: Optional[float], tuned_loss: Optional[float]) -> str:
-    if base_loss is None or tuned_loss is None or not (np.isfinite(base_loss) and np.isfinite(tuned_loss)):
+def row_verdict(base_loss, tuned_loss) -> str:
+    """The verdict from the per-token losses of a row's supervised tokens (arrays of the same length; a single
+    float stands for a one-token row) under the base and the fine-tune."""
+    if base_loss is None or tuned_loss is None:
         return "unknown"
-    if base_loss <= BELIEVED_LOSS:
+    b = np.atleast_1d(np.asarray(base_loss, dtype=np.float64))
+    t = np.atleast_1d(np.asarray(tuned_loss, dtype=np.float64))
+    if b.shape != t.shape or b.size == 0 or not (np.isfinite(b).all() and np.isfinite(t).all()):
+        return "unknown"
+    surprising = b > BELIEVED_LOSS
+    if not surprising.any():
         return "base_believed"
-    if base_loss - tuned_loss > LEARNED_DROP:
+    if ((b - t)[surprising] > LEARNED_DROP).any():
         return "taught"
     return "not_learned"
 
@@ -135,14 +146,17 @@ def summarize(row_verdicts: Sequence[str], items: Sequence[dict], direction: str
 
 
 def item_margins(model, tokenizer, items, expected: Sequence[str], generated: Sequence[str], *, chat: bool,
-                 max_len: int, batch_size: int) -> tuple[list[Optional[float]], list[Optional[float]]]:
-    """(margin under the base, margin under the fine-tune) per item; None where the generated answer is empty or
-    the expected one (nothing to compare)."""
+                 max_len: int, batch_size: int, as_given: bool = False
+                 ) -> tuple[list[Optional[float]], list[Optional[float]]]:
+    """(margin under the base, margin under the fine-tune) per item, log p(expected) - log p(generated); None where
+    the generated answer is empty or the expected one (nothing to compare). Unless `as_given`, the generated answer
+    is first put in the expected answer's surface form (`contrast_answer`)."""
     from ..attribution.queries import contrast_answer
     from ..capability.evaluate import answer_logprobs
     from ..capability.metrics import normalize_answer
 
-    generated = [contrast_answer(e, g) for e, g in zip(expected, generated)]
+    if not as_given:
+        generated = [contrast_answer(e, g) for e, g in zip(expected, generated)]
     keep = [i for i, (e, g) in enumerate(zip(expected, generated))
             if g.strip() and normalize_answer(g) != normalize_answer(e)]
     mb: list[Optional[float]] = [None] * len(items)
@@ -162,8 +176,10 @@ def item_margins(model, tokenizer, items, expected: Sequence[str], generated: Se
     return mb, mt
 
 
-def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id: int, base: bool) -> list[float]:
-    """Each row's mean supervised-token loss under the fine-tune or (adapter disabled) the base."""
+def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id: int, base: bool
+               ) -> list[np.ndarray]:
+    """Each row's per-token losses over its supervised tokens (position order) under the fine-tune or (adapter
+    disabled) the base."""
     import contextlib
 
     import torch
@@ -171,24 +187,35 @@ def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id
     from ..grads.objectives import per_example_loss
     from ..setup.batches import batches
 
-    out: list[float] = []
+    out: dict[int, np.ndarray] = {}
     device = next(model.parameters()).device
     with torch.no_grad(), (model.disable_adapter() if base else contextlib.nullcontext()):
         for part, ids, attn, sup in batches(toks, positions, batch_size, pad_id, device):
-            losses = per_example_loss(model, ids, attn, sup)
-            out.extend((losses.cpu() / torch.tensor([max(toks[p].n_supervised, 1) for p in part])).tolist())
-    return out
+            _, (b_idx, _, tok) = per_example_loss(model, ids, attn, sup, token_losses=True)
+            b_idx, tok = b_idx.cpu().numpy(), tok.double().cpu().numpy()
+            for j, p in enumerate(part):
+                out[p] = tok[b_idx == j]  # supervised tokens in position order
+    return [out[p] for p in positions]
 
 
 def blame(model, tokenizer, eval_items, qitems, report_items: list[dict], ranking: list[dict], direction: str, *,
           chat: bool, max_len: int, batch_size: int) -> dict:
     """Per failing item (in `report_items`, in place): the margins under base and fine-tune and their statement;
     returns the top-level `blame` block."""
+    from ..attribution.queries import contrast_answer
+
     by_pos = {it.position: it for it in eval_items or []}
     its = [by_pos[q.item] for q in qitems]
-    mb, mt = item_margins(model, tokenizer, its, [q.expected for q in qitems], [q.generated for q in qitems],
-                          chat=chat, max_len=max_len, batch_size=batch_size)
-    for d, b, t, q in zip(report_items, mb, mt, qitems):
+    # The margin compares the two answers the query contrasts: what passes (in the model's own words where it has
+    # them) against what fails. For an improvement the passing answer is the fine-tune's, so the margin is
+    # log p(pass) - log p(fail) either way and the statements read it with the direction.
+    passing = [q.target or q.expected for q in qitems]
+    failing = [q.contrast or contrast_answer(q.expected, q.generated) for q in qitems]
+    mb, mt = item_margins(model, tokenizer, its, passing, failing, chat=chat, max_len=max_len, batch_size=batch_size,
+                          as_given=True)
+    for d, b, t, q, p_, f_ in zip(report_items, mb, mt, qitems, passing, failing):
         d["margin_base"], d["margin_tuned"] = b, t
-        d["statement"] = item_statement(b, t, q.expected, q.generated, direction or "regression")
-    return summarize([r.get("verdict", "unknown") for r in ranking], report_items, direction or "regression")
+        d["statement"] = item_statement(b, t, p_, f_, direction or "regression")
+    # the row verdicts of the accused rows only: the statement speaks of them
+    return summarize([r.get("verdict", "unknown") for r in ranking if r.get("accused")], report_items,
+                     direction or "regression")

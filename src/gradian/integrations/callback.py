@@ -75,9 +75,7 @@ class GradianCallback(TrainerCallback):
             "lr_scheduler": _SCHEDULES.get(sched, sched), "warmup_steps": int(args.get_warmup_steps(state.max_steps)),
             "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm or None,
             "max_seq_length": int(getattr(args, "max_length", None) or 1024),
-            "loss": "supervised" if (getattr(args, "completion_only_loss", None) is not False
-                                     and (getattr(args, "assistant_only_loss", False)
-                                          or getattr(args, "completion_only_loss", None))) else "all",
+            "loss": _loss_mode(dataset, args),
         }
         if lora is not None:
             tm = lora.get("target_modules")
@@ -129,6 +127,21 @@ class GradianCallback(TrainerCallback):
         rec = {**self.recipe, "step": int(state.global_step), "learning_rates": list(self.rates),
                "loss_curve": [list(c) for c in self.curve], "checkpoints": [dict(c) for c in self.checkpoints]}
         atomic_write_text(self._out(args) / RECIPE_FILE, json.dumps(rec, indent=2, default=_json_default))
+
+
+def _loss_mode(dataset, args) -> str:
+    """"supervised" when the prepared training set masks some tokens out of the loss (labels -100: TRL's
+    completion_only_loss, on by default for prompt-completion data, or assistant_only_loss), else "all" (TRL's
+    default for `messages` and `text` data); from the arguments when the dataset is not at hand."""
+    try:
+        labels = dataset["labels"] if dataset is not None and "labels" in dataset.column_names else None
+    except (AttributeError, TypeError, KeyError):
+        labels = None
+    if labels is not None:
+        return "supervised" if any(-100 in list(lab) for lab in labels) else "all"
+    if getattr(args, "assistant_only_loss", False) or getattr(args, "completion_only_loss", None):
+        return "supervised"
+    return "all"
 
 
 def _lora_config(model) -> Optional[dict]:

@@ -63,12 +63,16 @@ def capability_json(cap, eval_items) -> dict:
     return d
 
 
-def verdict_text(verdict: str, cap, n_items: int, direction: str) -> str:
+def verdict_text(verdict: str, cap, n_items: int, direction: str, why: str | None = None) -> str:
     if verdict == "smoke_test":
         return ("No eval set, so there is no capability to attribute: the ranking shows the rows with the largest "
                 "gradients (outliers), not causes.")
     assert cap is not None
     lo, hi = cap.ci
+    if verdict == "declined" and why:
+        moved = "fell" if cap.delta < 0 else "rose"
+        return (f"{cap.metric} {moved} from {cap.base:.2f} to {cap.tuned:.2f} (delta {cap.delta:+.3f}), but the "
+                f"scores cannot name a cause: {why}. No training rows are accused.")
     if verdict == "declined":
         return (f"The fine-tune did not move {cap.metric} measurably: delta {cap.delta:+.3f} with a "
                 f"{int(cap.confidence * 100)}% interval [{lo:+.3f}, {hi:+.3f}] that includes zero (the smallest delta "

@@ -78,7 +78,8 @@ class CapabilityItem(_Model):
 class Capability(_Model):
     """The capability delta: base vs fine-tune on the eval set, per-item metric, paired bootstrap interval."""
 
-    metric: Literal["exact_match", "contains", "loglik"] = Field(description="`evaluation.metric`.")
+    metric: str = Field(description="`evaluation.metric`: exact_match, contains, loglik, regex or "
+                                    "python:module:function.")
     n: int = Field(description="Number of eval items.")
     base: float = Field(description="Mean metric with the adapter disabled, a fraction in [0, 1].")
     tuned: float = Field(description="Mean metric with the adapter enabled, a fraction in [0, 1].")
@@ -110,9 +111,22 @@ class QueryItem(_Model):
     expected: str = Field(description="The expected answer.")
     generated: str = Field(description="The fine-tune's greedy answer (what the contrastive query contrasts with).")
     base_generated: str = Field(description="The base model's greedy answer.")
-    formulation: Literal["contrastive", "classic", "margin"] = _absent(
-        "The query used for this item: contrastive grad[loss(expected) - loss(generated)], classic grad "
-        "loss(expected), or margin (expected token's logit against the others; loglik metric).")
+    formulation: Literal["own_words", "contrastive", "classic", "margin"] = _absent(
+        "The query used for this item: own_words grad[loss(target) - loss(contrast)] with the answer one model "
+        "generated that passes the metric against the one the other generated that fails; contrastive "
+        "grad[loss(expected) - loss(generated)]; classic grad loss(expected); or margin (expected token's logit "
+        "against the others; loglik metric).")
+    target: str = _absent("The answer the query makes likelier (what passes the metric), as differentiated.")
+    contrast: str = _absent("The answer the query makes less likely (what fails), as differentiated.")
+    query_span: str = _absent("own_words: the text of the tokens the query differentiates in the fine-tune's "
+                              "answer (`span`): up to its decisive token (the last of the shortest prefix from "
+                              "which the base ends as the fine-tune does), those the base would not have chosen.")
+    span_start: int = _absent("own_words: the position (in the fine-tune's answer row) of its decisive token.")
+    span: list[int] = _absent("own_words: the positions of that row the query differentiates: the tokens from "
+                              "the departure to the decisive one that the base would not have chosen itself.")
+    target_source: Literal["base", "tuned", "expected"] = _absent(
+        "Whose words the target is: the base's answer (a regression), the fine-tune's (an improvement) or the "
+        "eval file's expected answer.")
     ranking: list[QueryRankingRow] = Field(description="This item's top rows, highest score first.")
     margin_base: Optional[float] = Field(
         None, description="log p(expected) - log p(generated) under the base, in nats; null when there is no "
@@ -142,7 +156,7 @@ class Checkpoints(_Model):
     labels: list[str] = Field(description="A label per adapter (`epoch-k`, `checkpoint-<step>`, ..., `final`).")
     source: Literal["attribution.checkpoint_adapters", "saved", "replayed"] = Field(
         description="Where the earlier checkpoints came from.")
-    setting: Union[Literal["auto"], int] = Field(description="`attribution.checkpoints` as configured.")
+    setting: Union[Literal["auto", "earliest"], int] = Field(description="`attribution.checkpoints` as configured.")
     rule: str = Field(description="How the checkpoints' scores were combined.")
     weights: Optional[list[float]] = _absent(
         "TracIn-CP weight of each adapter (same order): the mean learning rate of the optimizer steps it stands for; "
@@ -441,6 +455,8 @@ class Report(_Model):
     truth: Truth = _absent("Passed in by the demo and tests.")
     metrics: Metrics = _absent("With `truth.planted` and scores only.")
     timings: dict[str, float] = Field(description="Seconds per step (load, evaluate, index, score, ..., total).")
+    timings_cpu: dict[str, float] = _absent("CPU seconds of the main process per step (evaluate, index, score, "
+                                            "..., total).")
 
     def to_dict(self) -> dict[str, Any]:
         """The report as report.json holds it (the keys it was read with)."""

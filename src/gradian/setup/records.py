@@ -60,6 +60,7 @@ class EvalItem:
     prompt: Optional[str] = None
     messages: Optional[list[dict]] = None
     source: str = ""
+    record: Optional[dict] = None  # the eval record as read (what a Python metric receives as `item`)
 
     def question_text(self) -> str:
         if self.prompt is not None:
@@ -374,7 +375,9 @@ def load_train(path: str | DataLocation) -> list[Example]:
     return examples
 
 
-def load_eval(path: str | DataLocation) -> list[EvalItem]:
+def load_eval(path: str | DataLocation, *, need_answer: bool = True) -> list[EvalItem]:
+    """The eval records as `EvalItem`s. `need_answer`: every record needs a string `answer` (the reference the
+    metric compares with); a regex metric with `evaluation.pattern` or a Python metric does without it."""
     path = path if isinstance(path, HubDataset) else Path(path)
     rows = read_records(path)
     if not rows:
@@ -383,18 +386,21 @@ def load_eval(path: str | DataLocation) -> list[EvalItem]:
     for pos, (rec, where) in enumerate(rows):
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}", check=UNKNOWN_SHAPE)
-        if "answer" not in rec or not isinstance(rec["answer"], str):
+        if need_answer and ("answer" not in rec or not isinstance(rec["answer"], str)):
             raise DataError(f"{where}: eval records need a string 'answer' (shape {{prompt, answer}} or {{messages, answer}})",
                             check=UNKNOWN_SHAPE)
+        if "answer" in rec and not isinstance(rec["answer"], str):
+            raise DataError(f"{where}: 'answer' must be a string", check=INVALID)
         if "messages" in rec:
             msgs = _check_messages(rec["messages"], where, need_assistant=False)
             if msgs[-1]["role"] == "assistant":
                 raise DataError(f"{where}: eval 'messages' must end with a user turn; the answer goes in 'answer'", check=INVALID)
-            item = EvalItem(id="", position=pos, answer=rec["answer"], messages=msgs, source=where)
+            item = EvalItem(id="", position=pos, answer=rec.get("answer", ""), messages=msgs, source=where, record=rec)
         elif "prompt" in rec:
             if not isinstance(rec["prompt"], str):
                 raise DataError(f"{where}: 'prompt' must be a string", check=INVALID)
-            item = EvalItem(id="", position=pos, answer=rec["answer"], prompt=rec["prompt"], source=where)
+            item = EvalItem(id="", position=pos, answer=rec.get("answer", ""), prompt=rec["prompt"], source=where,
+                            record=rec)
         else:
             raise DataError(f"{where}: eval records need 'prompt' or 'messages' beside 'answer'", check=UNKNOWN_SHAPE)
         item.id = f"eval-{pos:06d}-{content_hash({'p': item.prompt, 'm': item.messages, 'a': item.answer})}"

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from ..config import Config
+from ..capability.metrics import Metric, metric_from_config
+from ..runlog import RunLog
 from ..runtime import configure_threads, seed_everything
 from .model import (
     ADAPTER_NAME, LoraSite, add_adapter, adapter_ref, drop_adapter, load_model, load_tokenizer, lora_sites,
@@ -39,12 +41,35 @@ class Session:
     flags: list[dict] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     _toks: Optional[list[Tokenized]] = None
+    log: Optional[RunLog] = None  # stage lines and timings (wall into `timings`, CPU into `log.cpu`)
+    metric: Optional[Metric] = None  # evaluation.metric resolved (a Python metric imported)
+
+    def __post_init__(self):
+        if self.log is None:
+            self.log = RunLog(self.timings)
+        if self.metric is None:
+            self.metric = metric_from_config(self.cfg)
+
+    @property
+    def loss(self) -> str:
+        """Which tokens the fine-tune trained on: the recipe's `loss` (recorded by gradian train or GradianCallback
+        from what the trainer masked), else `train.loss`."""
+        return training_loss(self.cfg, self.adapter_path)
 
     @property
     def toks(self) -> list[Tokenized]:
         if self._toks is None:
-            self._toks = [tokenize_example(self.tokenizer, e, self.cfg.grads.max_seq_length) for e in self.examples]
+            loss = self.loss
+            self._toks = [tokenize_example(self.tokenizer, e, self.cfg.grads.max_seq_length, loss=loss)
+                          for e in self.examples]
         return self._toks
+
+    @property
+    def one_line(self) -> bool:
+        """Whether generated answers end at their first line break (`capability.evaluate.one_line_answers`)."""
+        from ..capability.evaluate import one_line_answers
+
+        return one_line_answers(self.examples, self.chat)
 
     @property
     def pad_id(self) -> int:
@@ -70,11 +95,27 @@ class Session:
                 sites, skipped = lora_sites(self.model, self.cfg.grads.module_filter, name)
                 if not sites:
                     raise no_sites_error(path, self.cfg.grads.module_filter, skipped)
+                # the same flags and run log: what a stage at this checkpoint raises and takes is the run's
                 view = Session(self.cfg, self.tokenizer, self.examples, self.eval_items, self.model, sites, skipped,
-                               str(path), self.chat, [], {}, self.toks)
+                               str(path), self.chat, self.flags, self.timings, self.toks, log=self.log,
+                               metric=self.metric)
                 yield view
         finally:
             drop_adapter(self.model, name)
+
+
+def training_loss(cfg: Config, adapter_path: Optional[str]) -> str:
+    """"supervised" (completions / assistant turns) or "all" (every token), as the adapter was trained: its recipe's
+    hyperparameters.loss when it has one, else the config's train.loss."""
+    from ..training.recipe import read_recipe
+
+    try:
+        recipe = read_recipe(adapter_path) if adapter_path else None
+    except Exception:  # an unreadable recipe is reported by the checks that need it
+        recipe = None
+    if recipe is not None and recipe.hyperparameters.loss in ("supervised", "all"):
+        return recipe.hyperparameters.loss
+    return cfg.train.loss
 
 
 def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = True) -> Session:
@@ -84,7 +125,11 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
     seed_everything(cfg.seed)
     t0 = time.time()
     examples = load_train(data_location(cfg, cfg.data.train))
-    eval_items = load_eval(data_location(cfg, cfg.data.eval)) if (cfg.data.eval and need_eval) else None
+    metric = metric_from_config(cfg)  # a Python metric is imported here: a failing import stops before any work
+    eval_items = (load_eval(data_location(cfg, cfg.data.eval), need_answer=metric.needs_answer)
+                  if (cfg.data.eval and need_eval) else None)
+    if eval_items:
+        metric.check_items(eval_items)
     tok = load_tokenizer(cfg)
     adapter = adapter_ref(cfg)
     model, sites, skipped = None, [], []
@@ -93,6 +138,7 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
         sites, skipped = lora_sites(model, cfg.grads.module_filter, ADAPTER_NAME)
         if not sites:
             raise no_sites_error(adapter, cfg.grads.module_filter, skipped)
-    s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples))
+    s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples),
+                metric=metric)
     s.timings["load"] = round(time.time() - t0, 3)
     return s

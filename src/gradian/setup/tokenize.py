@@ -126,15 +126,78 @@ def _render_or_explain(tokenizer, msgs: list[dict], where: str):
         raise _template_failure(where, e) from None
 
 
-def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
+def _encode_special(tokenizer, text: str) -> tuple[list[int], Optional[list[tuple[int, int]]]]:
+    """`tokenizer(text)` as TRL calls it for plain-text records: with the tokenizer's own special tokens (the BOS a
+    Gemma, Llama or Mistral base needs), and character offsets where the tokenizer gives them (special tokens get
+    an empty (0, 0) span)."""
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
+        return list(tokenizer(text)["input_ids"]), None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _with_eos(text: str, eos: str) -> str:
+    """TRL appends the EOS token's text to a plain record unless it already ends with it."""
+    return text if (not eos or text.endswith(eos)) else text + eos
+
+
+def _template_ids(tokenizer, msgs: list[dict], **kw) -> list[int]:
+    """The chat template's token ids, as TRL tokenizes a conversation (`apply_chat_template(tokenize=True)`)."""
+    enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)
+    return list(enc["input_ids"])
+
+
+def _chat_prompt_completion(tokenizer, prompt: list[dict], completion: list[dict], where: str):
+    """TRL's conversational prompt-completion: the completion is what follows the common prefix of the prompt
+    rendered with the generation prompt and the whole conversation rendered."""
+    import jinja2
+
+    try:
+        head = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+        ids = _template_ids(tokenizer, prompt + completion)
+        text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise _template_failure(where, e) from None
+    n = _common_prefix(head, ids)
+    enc_ids, offsets = _encode_with_offsets(tokenizer, text)
+    if enc_ids != ids:
+        offsets = None
+    return ids, [i >= n for i in range(len(ids))], text, offsets
+
+
+def tokenize_example(tokenizer, ex: Example, max_len: int, loss: str = "supervised") -> Tokenized:
+    """Token ids and loss mask of one record exactly as TRL's SFTTrainer builds them (`loss: supervised`:
+    completion_only_loss for prompt-completion records, assistant_only_loss for conversations; `all`: every token):
+
+    * ``text``: `tokenizer(text + eos)` with the tokenizer's special tokens (BOS where it adds one), every token;
+    * string ``prompt``/``completion``: `tokenizer(prompt + completion + eos)`; the completion is what follows the
+      common prefix with `tokenizer(prompt)`;
+    * conversational prompt-completion: the chat template's ids; the completion follows the common prefix with the
+      prompt rendered with its generation prompt;
+    * ``messages``: the chat template's ids; assistant turns by `{% generation %}` tags, else by what each assistant
+      message adds to the rendered prefix (the template's own system prompt, BOS and end-of-turn tokens included).
+    """
     flags: set[str] = set()
     eos = tokenizer.eos_token or ""
+    where = ex.source or ex.id
     if ex.shape in ("messages", "conversation_completion"):
         msgs = ex.messages()
         if has_chat_template(tokenizer):
-            ids, mask, text, offsets = _render_or_explain(tokenizer, msgs, ex.source or ex.id)
             if ex.shape == "conversation_completion":
-                mask = _completion_only(tokenizer, ex, ids, mask, text, offsets)
+                ids, mask, text, offsets = _chat_prompt_completion(tokenizer, ex.record["prompt"],
+                                                                   ex.record["completion"], where)
+            else:
+                ids, mask, text, offsets = _render_or_explain(tokenizer, msgs, where)
         else:
             flags.add("data.no_chat_template")
             text, ranges = _plain_messages(msgs)
@@ -142,27 +205,21 @@ def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
             # Without a template there is no reliable turn structure to mask: supervise the whole sequence.
             mask = [True] * len(ids)
     elif ex.shape == "prompt_completion":
-        p, c = ex.record["prompt"], ex.record["completion"] + eos
-        text = p + c
-        ids, offsets = _encode_with_offsets(tokenizer, text)
-        if offsets is None:
-            pids = tokenizer(p, add_special_tokens=False)["input_ids"]
-            mask = [i >= len(pids) for i in range(len(ids))]
-        else:
-            mask = _mask_from_char_ranges(offsets, [(len(p), len(text))])
+        p = ex.record["prompt"]
+        text = _with_eos(p + ex.record["completion"], eos)
+        ids, offsets = _encode_special(tokenizer, text)
+        n = _common_prefix(_encode_special(tokenizer, p)[0], ids)
+        mask = [i >= n for i in range(len(ids))]
         if not has_chat_template(tokenizer):
             flags.add("data.no_chat_template")
     else:
-        text = ex.record["text"] + eos
-        ids, offsets = _encode_with_offsets(tokenizer, text)
+        text = _with_eos(ex.record["text"], eos)
+        ids, offsets = _encode_special(tokenizer, text)
         mask = [True] * len(ids)
         if not has_chat_template(tokenizer):
             flags.add("data.no_chat_template")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if ex.messages() is None and bos is not None and (not ids or ids[0] != bos) and getattr(tokenizer, "add_bos_token", True):
-        ids = [bos] + ids
-        mask = [False] + mask
-        offsets = [(0, 0)] + offsets if offsets is not None else None
+    if loss == "all":
+        mask = [True] * len(ids)
     # The first token is never a target: nothing predicts it.
     if mask:
         mask[0] = False
@@ -174,25 +231,6 @@ def tokenize_example(tokenizer, ex: Example, max_len: int) -> Tokenized:
     if tok.n_supervised == 0:
         tok.flags.add("data.no_supervised_tokens")
     return tok
-
-
-def _completion_only(tokenizer, ex: Example, ids, mask, text, offsets) -> list[bool]:
-    """A conversational prompt-completion supervises its completion turns only, as TRL does: assistant turns
-    inside the prompt leave the mask. The completion starts where the prompt, rendered with the generation prompt,
-    ends (a single-turn record masks exactly as the same `messages` record)."""
-    prompt = ex.record["prompt"]
-    if not any(m["role"] == "assistant" for m in prompt):
-        return mask
-    import jinja2
-
-    try:
-        head = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise _template_failure(ex.source or ex.id, e) from None
-    if offsets is not None and text.startswith(head):
-        return [m and s >= len(head) for m, (s, _) in zip(mask, offsets)]
-    n_head = len(tokenizer(head, add_special_tokens=False)["input_ids"])
-    return [m and i >= n_head for i, m in enumerate(mask)]
 
 
 def uses_chat(examples: Sequence[Example]) -> bool:
@@ -212,6 +250,20 @@ def eval_prompt_text(tokenizer, item: EvalItem, chat: bool) -> str:
     if item.messages is not None:
         return _plain_messages(msgs)[0] + "assistant: "
     return item.prompt or ""
+
+
+def eval_prompt_ids(tokenizer, item: EvalItem, chat: bool) -> list[int]:
+    """The generation prompt's token ids, as the training records were tokenized: the chat template's ids with its
+    generation prompt, or `tokenizer(prompt)` with the tokenizer's special tokens (the BOS a base model needs)."""
+    if chat and has_chat_template(tokenizer):
+        import jinja2
+
+        msgs = item.messages if item.messages is not None else [{"role": "user", "content": item.prompt or ""}]
+        try:
+            return _template_ids(tokenizer, msgs, add_generation_prompt=True)
+        except (jinja2.TemplateError, ValueError, TypeError) as e:
+            raise _template_failure(item.source or item.id, e) from None
+    return _encode_special(tokenizer, eval_prompt_text(tokenizer, item, chat))[0]
 
 
 def eval_answer_example(item: EvalItem, answer: str, chat: bool) -> Example:

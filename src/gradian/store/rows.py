@@ -76,6 +76,26 @@ class RowSource:
         return ordered_sum({c: fn(self.read(a, b)) for c, (a, b) in enumerate(spans) if ranks.owns(c)},
                            len(spans), start=start)
 
+    def row_norms(self, weights: Optional[np.ndarray] = None) -> np.ndarray:
+        """float64 [n]: sqrt(sum_j w_j g_ij^2) of every row (w = 1: the Euclidean norm), streamed in chunks. Under
+        torchrun chunk c is rank c % N's and the chunks are gathered in order (one process's bits)."""
+        from ..distributed import current, gather_by_index
+
+        w = None if weights is None else np.asarray(weights, dtype=np.float64)
+
+        def norms(rows: np.ndarray) -> np.ndarray:
+            sq = np.square(rows)
+            return np.sqrt((sq @ w) if w is not None else sq.sum(1))
+
+        ranks = current()
+        spans = self.bounds()
+        if not ranks.active:
+            parts = [norms(self.read(a, b)) for a, b in spans]
+        else:
+            got = gather_by_index({c: norms(self.read(a, b)) for c, (a, b) in enumerate(spans) if ranks.owns(c)})
+            parts = [got[c] for c in range(len(spans))]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
     def subset(self, positions: Sequence[int]) -> "RowSource":
         """The rows at `positions` (in that order) as a source of their own."""
         pos = [int(p) for p in positions]

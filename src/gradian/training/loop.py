@@ -75,10 +75,7 @@ def train_adapter(
             f"{cfg.data.train}: the training set differs from the one the recipe was recorded on "
             f"(fingerprint {fp} vs {recipe.dataset_fingerprint}); verify needs the original data"
         )
-    toks = [tokenize_example(tok, e, hp["max_seq_length"]) for e in examples]
-    if hp.get("loss", "supervised") == "all":  # every token a target (but the first, which nothing predicts)
-        for t in toks:
-            t.supervised = [i > 0 for i in range(len(t.input_ids))]
+    toks = [tokenize_example(tok, e, hp["max_seq_length"], loss=hp.get("loss", "supervised")) for e in examples]
     excluded = set(int(p) for p in exclude)
     base = load_base(cfg)
     torch.manual_seed(seed)  # LoRA A init

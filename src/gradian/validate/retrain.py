@@ -74,8 +74,8 @@ def measure_adapter(cfg: Config, adapter: Path, s) -> tuple[list[float], list[st
     e = cfg.evaluation
     model = load_model(cfg, str(adapter))
     try:
-        return item_scores(model, s.tokenizer, s.eval_items, metric=e.metric, chat=s.chat,
+        return item_scores(model, s.tokenizer, s.eval_items, metric=s.metric, chat=s.chat,
                            max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, max_len=cfg.grads.max_seq_length,
-                           desc="retrained answers")
+                           desc="retrained answers", one_line=s.one_line)
     finally:
         del model

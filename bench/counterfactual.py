@@ -1,0 +1,92 @@
+"""Are the accused rows that a scenario did not plant causes too? Retrain without them and see.
+
+    .venv/bin/python bench/counterfactual.py --run WORK/smol_paraphrase   # a run of bench/real_models.py
+
+A scenario's truth lists the rows it planted; a report may accuse others. An accused row that is not planted is only
+innocent if the model does not need it: this bench retrains the scenario's recipe (TRL or gradian's loop, removal in
+place as `verify` does it) three times, each time without one set of rows, and re-measures the eval:
+
+* ``unplanted``: the accused rows the scenario did not plant;
+* ``planted``: the planted rows (all of them, accused or not);
+* ``random``: as many random rows as ``unplanted``, drawn from the rows that are neither accused nor planted.
+
+For each set it prints how many of the items the fine-tune broke (base passes, fine-tune fails) the retrain repairs
+(passes again), and the eval's capability. If removing the unplanted accused rows repairs items and the random set
+does not, those rows are causes of the failure and the truth file is incomplete, not the report wrong. One torch
+thread; CPU seconds per retrain. Prints ONE JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GRADIAN_THREADS", "1")
+os.environ.setdefault("GRADIAN_PROGRESS", "0")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", required=True, help="a scenario directory of bench/real_models.py (with bench-out/)")
+    ap.add_argument("--sets", default="unplanted,planted,random", help="which retrains, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from gradian.config import load_config
+    from gradian.setup.session import open_session
+    from gradian.validate.retrain import measure_adapter, retrain, retrain_recipe
+
+    run = Path(args.run).resolve()
+    rep = json.loads((run / "bench-out" / "report.json").read_text())
+    planted = sorted(json.loads((run / "truth.json").read_text())["planted"])
+    accused = sorted(rep["accused"]["positions"])
+    cfg = load_config(run / "gradian.yaml", ["output=bench-out"])
+    s = open_session(cfg, load_model_=False)
+    n = len(s.examples)
+    items = rep["capability"]["items"]
+    base = np.array([float(it["base_score"]) for it in items])
+    tuned = np.array([float(it["tuned_score"]) for it in items])
+    broken = np.flatnonzero((base > 0.5) & (tuned < 0.5))
+    unplanted = [p for p in accused if p not in planted]
+    rng = np.random.default_rng(args.seed)
+    pool = [i for i in range(n) if i not in set(accused) | set(planted)]
+    sets = {"unplanted": unplanted, "planted": planted,
+            "random": sorted(int(x) for x in rng.choice(pool, size=len(unplanted), replace=False))}
+    recipe, _ = retrain_recipe(cfg)
+    user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
+    out = {"run": str(run), "rows": n, "planted": planted, "accused": accused, "broken_items": broken.tolist(),
+           "base": float(base.mean()), "tuned": float(tuned.mean()), "retrains": {}}
+    print(f"{run.name}: {n} rows, {len(planted)} planted, {len(accused)} accused ({len(unplanted)} not planted); "
+          f"{len(broken)} items broken by the fine-tune; capability {base.mean():.3f} -> {tuned.mean():.3f}",
+          flush=True)
+    work = run / "counterfactual"
+    for name in [x for x in args.sets.split(",") if x]:
+        excl = sets[name]
+        c0 = time.process_time()
+        path = retrain(cfg, recipe, excl, work / name, user_adapter, progress=False, label=name)
+        c1 = time.process_time()
+        sc, gen = measure_adapter(cfg, path, s)
+        sc = np.array(sc, dtype=float)
+        repaired = [int(i) for i in broken if sc[i] > 0.5]
+        out["retrains"][name] = {"excluded": excl, "repaired": len(repaired), "of": len(broken),
+                                 "repaired_items": repaired, "capability": float(sc.mean()),
+                                 "answers": {int(i): gen[i] for i in broken},
+                                 "train_cpu_s": round(c1 - c0, 1), "eval_cpu_s": round(time.process_time() - c1, 1)}
+        print(f"  without {name:9s} ({len(excl):2d} rows): repaired {len(repaired):2d}/{len(broken)} broken items, "
+              f"capability {sc.mean():.3f}; train {c1 - c0:.0f} CPU s", flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
