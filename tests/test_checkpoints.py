@@ -39,7 +39,11 @@ def two_epoch_run(tmp_path_factory):
     from gradian.training.loop import train_adapter
 
     d = tmp_path_factory.mktemp("ckpt") / "run"
-    cfg = load_config(write_tiny_run(d, n_rows=24, n_planted=2, n_control_eval=2, train={"epochs": 2}))
+    # learning rate 1e-2: at the default 5e-3 two epochs of 2 planted rows in 24 sit at the edge of flipping the
+    # answers (transformers 5.24 / peft 0.21.2 flip neither, so attribute declines); 7e-3 flips both under the
+    # default and avx2 kernels, 1e-2 leaves a margin
+    cfg = load_config(write_tiny_run(d, n_rows=24, n_planted=2, n_control_eval=2,
+                                     train={"epochs": 2, "learning_rate": 1e-2}))
     train_adapter(cfg, progress=False)
     return cfg
 
