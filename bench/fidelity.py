@@ -69,6 +69,10 @@ def method_settings(m: str) -> tuple[str, list[str]]:
         return default_preconditioner(), [f"attribution.optimizer={m}"]
     if m.endswith("@final"):
         return m[: -len("@final")], ["attribution.checkpoints=1"]
+    if m.endswith("@earliest"):
+        return m[: -len("@earliest")], ["attribution.checkpoints=earliest"]
+    if m.endswith("@auto"):
+        return m[: -len("@auto")], ["attribution.checkpoints=auto"]
     p, _, ck = m.partition("+ck")
     return p, [f"attribution.checkpoints={int(ck)}"] if ck else []
 

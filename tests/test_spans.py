@@ -209,13 +209,15 @@ def test_long_row_is_ranked_by_its_best_window(demo_long):
 
 
 def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
+    from gradian.attribution.stage import Scored, ScoreSource
     from gradian.explain.spans import SPANS_PER_ROW
     from gradian.pipeline import spans_stage
 
     s, sc, qitems, truth, p_long, ix = demo_long
     planted = truth["planted"]
     rows = [{"position": p} for p in planted[:3] + [p_long]]
-    spans = spans_stage(s, ix, sc, rows, qitems)
+    scored = Scored(sc, ScoreSource("exact_index", ("final",), (s.adapter_path,)), ix.capture.projector, ix.rows, {})
+    spans = spans_stage(s, scored, rows, qitems)
     pos_item = {q.item: k for k, q in enumerate(qitems)}
     for r in rows:
         ts = r["top_span"]

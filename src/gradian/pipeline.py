@@ -16,10 +16,10 @@ from typing import Optional
 import numpy as np
 
 from .attribution.accused import accused_set, none_accused
-from .attribution.checkpoints import over_checkpoints
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
-from .attribution.optimizer import over_trajectory
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
+from .attribution.stage import WINDOW_ITEM_ROWS, WINDOW_ROWS, Scored, scores_for, spans_context
+from .grads.capture import GradientCapture
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions
 from .attribution.scoring import Scores, aggregate, auprc, degenerate, rank, recall_at_k
@@ -61,33 +61,25 @@ def index_stage(s: Session) -> OpenIndex:
     """Build or reuse the gradient index of the training set."""
     with s.log.stage("index"):
         ix = open_index(s.cfg, s.model, s.sites, s.toks, s.adapter_path, s.pad_id)
+    _no_supervised_flag(s)
+    return ix
+
+
+def _no_supervised_flag(s: Session) -> None:
     n_empty = sum(1 for t in s.toks if t.n_supervised == 0)
     if n_empty:
         first = [e.id for e, t in zip(s.examples, s.toks) if t.n_supervised == 0][:3]
         s.flag("data.no_supervised_tokens", "warning", f"{n_empty} rows have no supervised tokens after truncation to "
                f"{s.cfg.grads.max_seq_length} (first: {', '.join(first)}); their gradient is zero",
                "raise grads.max_seq_length or shorten the prompts")
-    return ix
 
 
 def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scores:
-    """The scores of the session's (active) adapter alone, with the config's settings but `settings` (e.g.
-    `preconditioner="identity"`, `windows=False`)."""
+    """The scores of the session's (active) adapter alone from its open index `ix` (whatever its projection), with
+    the config's settings but `settings` (e.g. `preconditioner="identity"`, `windows=False`): the index path of
+    `attribution.stage.score_state`, for tests and benches that pin an index."""
     return score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems,
                        ScoringSettings.from_config(s.cfg, direction, **settings), block_dims=block_dims_of(ix.index))
-
-
-def score_stage(s: Session, ix: OpenIndex, qitems, direction: str) -> tuple[Scores, Optional[dict]]:
-    """The final adapter's scores (`attribution.engine.score_items`), averaged over the checkpoints
-    (`attribution.checkpoints`); the report's checkpoints entry, if any."""
-    settings = ScoringSettings.from_config(s.cfg, direction)
-    sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
-                     block_dims=block_dims_of(ix.index))
-    if s.cfg.attribution.optimizer == "adamw":
-        traj = over_trajectory(s, sc, qitems, settings)
-        if traj is not None:
-            return sc, traj
-    return sc, over_checkpoints(s, sc, qitems, settings)
 
 
 def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores]
@@ -116,16 +108,20 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
     return ranking
 
 
-def spans_stage(s: Session, ix: OpenIndex, sc: Scores, ranking: list[dict], qitems) -> list[dict]:
-    grads = ModelGradients.from_session(s, ix.capture)
+def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> list[dict]:
+    """Sentence spans of the top rows, from per-token contributions at the adapter state the scores came from."""
+    sc = scored.scores
+    with spans_context(s, scored) as view:
+        grads = ModelGradients.from_session(view, GradientCapture(view.model, view.sites, scored.projector,
+                                                                  chunk=view.cfg.grads.loss_chunk_tokens))
 
-    def contributions(exact_part: bool, positions, items):
-        # in the units of the rows' scores (unit rows: times each row's 1 / norm)
-        return scaled_contributions(sc, grads.contributions(parameter_directions(sc, ix.capture.projector,
-                                                                                exact_part), positions, items))
+        def contributions(exact_part: bool, positions, items):
+            # in the units of the rows' scores (unit rows: times each row's 1 / norm)
+            return scaled_contributions(sc, grads.contributions(parameter_directions(sc, scored.projector,
+                                                                                    exact_part), positions, items))
 
-    return spans_for(ranking, sc.rank_item, set(sc.cand.tolist()), s.examples, s.toks, qitems, contributions,
-                     s.tokenizer)
+        return spans_for(ranking, sc.rank_item, set(sc.cand.tolist()), s.examples, s.toks, qitems, contributions,
+                         s.tokenizer)
 
 
 # ------------------------------------------------------------------------------------------------- attribute
@@ -164,13 +160,17 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
                            else "a smoke test (no eval set): the ranking shows gradient outliers, not causes")
     declined_why = None
     if verdict != "declined":
-        ix = index_stage(s)
-        flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
-        report["index"] = ix.info.summary()
-        sc = None
+        scored, ix, sc = None, None, None
         if verdict == "attributed":
+            _no_supervised_flag(s)
             with s.log.stage("score"):
-                sc = _attributed_scores(s, ix, qitems, direction, report)
+                scored = scores_for(s, qitems, direction)
+            # train.not_converged without a recorded loss curve, over the rows the scores were computed from
+            flag_from_index(s, scored.one_pass.held if scored.one_pass is not None else scored.features)
+            report["index"] = scored.rows_summary if scored.one_pass is None else None
+            if scored.one_pass is not None:
+                report["scoring"] = scored.rows_summary
+            sc = _attributed_scores(s, scored, qitems, report)
             order, scores, totals = sc.order, sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
             declined_why = degenerate(sc.norms, scores)
         if declined_why is not None:
@@ -184,6 +184,9 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
         elif verdict == "attributed":
             pass
         else:
+            ix = index_stage(s)
+            flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
+            report["index"] = ix.info.summary()
             order, scores = None, _self_influence(ix)
             totals = scores
         if scores is not None:
@@ -195,9 +198,10 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
                 row["accused"] = row["rank"] <= accused["count"]
         if sc is not None and ranking:
             with s.log.stage("spans"):
-                spans_out = spans_stage(s, ix, sc, ranking, qitems)
+                spans_out = spans_stage(s, scored, ranking, qitems)
             with s.log.stage("clusters"):
-                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed, gradients=ix.rows,
+                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
+                                    gradients=scored.features,
                                     previews=[preview(e.plain_text()) for e in s.examples])
             clusters = cl["clusters"]
             report["clusters_info"] = {k: v for k, v in cl.items() if k != "clusters"}
@@ -205,7 +209,10 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
                 blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking,
                                   direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
                                   batch_size=cfg.evaluation.batch_size)
-        ix.close()
+        if ix is not None:
+            ix.close()
+        if scored is not None:
+            scored.close()
     report.update({
         "verdict": verdict,
         "verdict_text": verdict_text(verdict, cap, len(qitems), direction,
@@ -253,11 +260,11 @@ def _capability(s: Session, out_dir) -> tuple[Optional[CapabilityResult], str, s
     return cap, "declined" if declined else "attributed", direction, failing
 
 
-def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report: dict) -> Scores:
+def _attributed_scores(s: Session, scored: Scored, qitems, report: dict) -> Scores:
     """The scores of an attributed run, with their report entries (preconditioner, windows, checkpoints, the
     projection self-check and the per-item rankings) and flags."""
     cfg = s.cfg
-    sc, ck = score_stage(s, ix, qitems, direction)
+    sc, ck = scored.scores, scored.source.entry
     if ck is not None:
         report["query"]["optimizer" if "optimizer" in ck else "checkpoints"] = ck
     s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, ck))
@@ -265,9 +272,7 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
     report["windows"] = {
         "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
         "per_item_rows": len(sc.window_item_rows),
-        "rule": (f"rows with more than {WINDOW_TOKENS} supervised tokens are ranked by their best window "
-                 f"({WINDOW_TOKENS} supervised tokens, stride {WINDOW_STRIDE}); every other row by its total "
-                 "score; scores.npy holds the ranking score, scores_total.npy the totals"),
+        "rule": _windows_rule(scored),
     }
     if sc.long_rows and not sc.window_items:
         s.flag("attribution.windows_aggregate_only", "info",
@@ -296,6 +301,18 @@ def _attributed_scores(s: Session, ix: OpenIndex, qitems, direction: str, report
     return sc
 
 
+def _windows_rule(scored: Scored) -> str:
+    """The report's sentence on how long rows are ranked."""
+    if scored.one_pass is not None:
+        return (f"of the rows with more than {WINDOW_TOKENS} supervised tokens, the {WINDOW_ROWS} with the highest "
+                f"whole-row score are ranked by their best window ({WINDOW_TOKENS} supervised tokens, stride "
+                f"{WINDOW_STRIDE}; per item for the top {WINDOW_ITEM_ROWS} of them); every other row by its total "
+                "score; scores.npy holds the ranking score, scores_total.npy the totals")
+    return (f"rows with more than {WINDOW_TOKENS} supervised tokens are ranked by their best window "
+            f"({WINDOW_TOKENS} supervised tokens, stride {WINDOW_STRIDE}); every other row by its total "
+            "score; scores.npy holds the ranking score, scores_total.npy the totals")
+
+
 def _span_text(s: Session, q) -> str:
     """The text of the tokens an own-words query differentiates (the fine-tune's answer from its decisive token)."""
     by_pos = {it.position: it for it in s.eval_items}
@@ -309,9 +326,8 @@ def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
         return (f"optimizer-aware scores (attribution.optimizer: adamw): the recorded AdamW run replayed over its "
                 f"{ck['epochs']} epochs")
     if ck is not None and ck.get("setting") == "earliest":
-        return (f"the earliest saved checkpoint's scores alone ({ck['labels'][0]}, attribution.checkpoints: "
-                "earliest; long rows by its own best windows); the final adapter's for the windows' token ranges, spans "
-                "and blame")
+        return (f"the earliest saved checkpoint alone ({ck['labels'][0]}, attribution.checkpoints: earliest): its "
+                "scores, windows and spans; blame compares the base with the final adapter")
     if ck is not None:
         how = {"saved": "saved beside the adapter (no training)", "replayed": "replayed once from the adapter's "
                "Gradian recipe", "attribution.checkpoint_adapters": "listed in attribution.checkpoint_adapters"}

@@ -1,0 +1,226 @@
+"""Exact scores of every training row in one forward+backward pass per row, with no index.
+
+The failing items are few, so their exact (parameter-space) query gradients are computed first; then each training
+row's exact LoRA gradient is formed once, from one batched backward, and reduced on the spot to what scoring needs:
+its inner product with every preconditioned unit query and its norm in the preconditioner's metric (unit rows).
+No projection is fitted, no index is written and nothing is re-ranked: the scores are exact.
+
+The preconditioner is fitted on the rows held in memory before the rest are streamed (`plan_pass`): every row when
+(unique rows x exact width x 4 bytes) fits `memory_bytes` (then this is exactly the maths of an exact index: the
+same rows, the same batches, the same bits), else a seeded sample of as many rows as fit, whose gradients are
+scored from memory and never recomputed (the diagonal's per-coordinate second moment is then a sample mean over a
+few hundred rows: a vanishing share of a 100k-row pass, and no pass of its own).
+
+Memory is `memory_bytes` for the held rows plus one batch and the [Q, D] directions: it does not grow with rows.
+Under torchrun batch j is rank j % N's; held rows and streamed results are gathered so that every rank holds one
+process's bits (`distributed.gather_by_index`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..distributed import current, gather_by_index
+from ..grads.layout import exact_widths
+from ..progress import progress_bar
+from ..setup.batches import length_order, owned_batches
+from ..store.rows import RowSource
+from .precondition import Preconditioner
+from .scoring import Scores, aggregate, harm_directions, item_scores, unit_queries
+
+# The default budget of the rows held in memory (the preconditioner's sample): the size `grads.projection_dim: auto`
+# allows an exact index on disk.
+DEFAULT_HELD_BYTES = 2 << 30
+HELD_MIN_ROWS = 64  # never fit a preconditioner on fewer rows than this when the rows exist
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """Which rows a pass computes (one per distinct row content) and which of them it holds in memory."""
+
+    unique: tuple[int, ...]  # the first position of each distinct row, by (length, position)
+    held: tuple[int, ...]  # positions held in memory (every unique row, or a seeded sample of them), in length order
+    streamed: tuple[int, ...]  # the other unique positions, in length order
+    copies: tuple[int, ...]  # for every row, the unique position whose gradient it shares
+
+    @property
+    def all_held(self) -> bool:
+        return not self.streamed
+
+
+def plan_pass(toks, width: int, memory_bytes: int, seed: int) -> PassPlan:
+    """Rows with the same content (`Tokenized.row_key`) are computed once; every unique row is held when they fit
+    `memory_bytes` (float32), else a seeded sample of max(HELD_MIN_ROWS, fitting) rows with supervised tokens."""
+    first: dict = {}
+    copies = []
+    for p, t in enumerate(toks):
+        copies.append(first.setdefault(t.row_key(), p))
+    unique = length_order(toks, sorted(first.values()))
+    fit = max(int(memory_bytes // max(4 * width, 1)), 0)
+    if len(unique) <= fit:
+        return PassPlan(tuple(unique), tuple(unique), (), tuple(copies))
+    cand = [p for p in sorted(first.values()) if toks[p].n_supervised > 0]
+    k = min(len(cand), max(HELD_MIN_ROWS, fit))
+    pick = np.random.default_rng([int(seed), 0x68656C64]).choice(len(cand), size=k, replace=False)
+    held = set(cand[j] for j in pick.tolist())
+    return PassPlan(tuple(unique), tuple(p for p in unique if p in held),
+                    tuple(p for p in unique if p not in held), tuple(copies))
+
+
+def exact_batches(grads, positions: Sequence[int], label: str) -> Iterator[tuple[int, list[int], np.ndarray]]:
+    """(batch index, positions, exact gradients float32 [B, D]) of this rank's batches of `positions` (in the
+    order given), one batched backward each."""
+    toks = grads.toks
+    exact = grads.exact()
+    device = next(grads.model.parameters()).device
+    with progress_bar(label, total=len(positions), split=True) as bar:
+        for j, part, ids, attn, sup in owned_batches(toks, list(positions), grads.batch_size, grads.pad_id, device,
+                                                     current().owns):
+            vecs, _ = exact.vectors(ids, attn, sup)
+            yield j, part, vecs.detach().cpu().numpy().astype(np.float32, copy=False)
+            bar.advance(len(part))
+
+
+def held_rows(grads, plan: PassPlan) -> np.ndarray:
+    """float32 [len(plan.held), D]: the held rows' exact gradients, in `plan.held` order, on every rank."""
+    got = {j: (part, v) for j, part, v in exact_batches(grads, plan.held, "gradients (held)")}
+    if current().active:
+        got = gather_by_index(got)
+    out = np.empty((len(plan.held), grads.exact_width), dtype=np.float32)
+    at = 0
+    for j in sorted(got):
+        part, v = got[j]
+        out[at : at + len(part)] = v
+        at += len(part)
+    return out
+
+
+def fit_on(kind, damping: Optional[float], rows: RowSource, widths: Sequence[int]) -> Preconditioner:
+    """`attribution.preconditioner` fitted on `rows` (exact layout: one block per LoRA site)."""
+    p = Preconditioner(kind, damping, list(widths))
+    if p.kind == "identity":
+        return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
+    return p.fit(rows)
+
+
+def preconditioned_units(q: np.ndarray, pre: Preconditioner) -> tuple[np.ndarray, np.ndarray]:
+    """(unit preconditioned queries float32 [Q, D], their norms before scaling), as `scoring.score` makes them."""
+    if pre.kind == "identity":
+        return unit_queries(q), np.linalg.norm(np.asarray(q, dtype=np.float32), axis=1)
+    qp = pre.apply(q)
+    return unit_queries(qp), np.linalg.norm(qp, axis=1)
+
+
+def _norms(v: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+    sq = np.square(np.asarray(v, dtype=np.float64))
+    return np.sqrt((sq @ weights) if weights is not None else sq.sum(1))
+
+
+def unit_sketch(sketch, rows: np.ndarray) -> np.ndarray:
+    """float32 [n, k]: the rows at unit norm, sketched, renormalised (what `explain.clusters.unit_rows` computes
+    with a sketch), so clusters of streamed rows are found as they would be from an index."""
+    return _unit(sketch.apply(_unit(np.asarray(rows, dtype=np.float32))))
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
+
+
+def streamed_inner(grads, positions: Sequence[int], unit: np.ndarray, weights: Optional[np.ndarray],
+                   sketch=None) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """(inner [Q, n] float32, norms [n] float64, sketches [n, k] or None) of the rows at `positions`, from one
+    backward per batch; no gradient is kept past its batch."""
+    got = {}
+    for j, part, v in exact_batches(grads, positions, "gradients (scored)"):
+        sk = None if sketch is None else unit_sketch(sketch, v)
+        got[j] = (part, unit @ v.T, _norms(v, weights), sk)
+    if current().active:
+        got = gather_by_index(got)
+    n = len(positions)
+    inner = np.zeros((unit.shape[0], n), dtype=np.float32)
+    norms = np.zeros(n)
+    sk_out = None if sketch is None else np.zeros((n, sketch.k), dtype=np.float32)
+    at = 0
+    for j in sorted(got):
+        part, ip, nm, sk = got[j]
+        inner[:, at : at + len(part)] = ip
+        norms[at : at + len(part)] = nm
+        if sk_out is not None:
+            sk_out[at : at + len(part)] = sk
+        at += len(part)
+    return inner, norms, sk_out
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """What one pass yields besides the scores: the rows it held (the preconditioner's sample; every row when
+    `plan.all_held`) and, when not every row was held, a unit CountSketch of every row (the clusters' features)."""
+
+    plan: PassPlan
+    held: RowSource
+    sketches: Optional[np.ndarray]
+
+    def cluster_features(self, n: int):
+        """What `explain.clusters` groups rows on: the exact rows (a RowSource in training order) when held, else
+        the rows' sketches."""
+        if self.plan.all_held:
+            where = {p: j for j, p in enumerate(self.plan.held)}
+            return self.held.subset([where[c] for c in self.plan.copies])
+        return self.sketches
+
+    def describe(self) -> dict:
+        return {"mode": "one pass, exact scores (no index)", "unique_rows": len(self.plan.unique),
+                "held_rows": len(self.plan.held), "streamed_rows": len(self.plan.streamed),
+                "width": int(self.held.dim),
+                "preconditioner_rows": "every row" if self.plan.all_held else
+                f"a seeded sample of {len(self.plan.held)} rows held in memory"}
+
+
+def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_BYTES,
+                   sketch_dim: Optional[int] = None) -> tuple[Scores, OnePass]:
+    """Per-item exact scores [Q, N] of every row (`Scores`, in the exact layout: `w` and `unit` are [Q, D_exact])
+    from the exact query gradients and one backward per distinct row."""
+    toks = grads.toks
+    widths = exact_widths(grads.sites)
+    width = int(sum(widths))
+    plan = plan_pass(toks, width, memory_bytes, settings.seed)
+    q = grads.query_vectors(qitems, exact=True)
+    held = RowSource(held_rows(grads, plan))
+    pre = fit_on(settings.preconditioner, settings.damping, held, widths)
+    unit, qnorms = preconditioned_units(q, pre)
+    weights = pre.metric_weights()
+    Q = unit.shape[0]
+    inner_u = np.zeros((Q, len(toks)), dtype=np.float32)
+    norms_u = np.zeros(len(toks))
+    h_idx = list(plan.held)
+    inner_u[:, h_idx] = held.inner(unit)
+    norms_u[h_idx] = held.row_norms(weights)
+    sketches = None
+    if plan.streamed:
+        from ..explain.clusters import SKETCH_DIM, CountSketch
+
+        sketch = CountSketch(width, sketch_dim or SKETCH_DIM, settings.seed)
+        s_idx = list(plan.streamed)
+        ip, nm, sk = streamed_inner(grads, s_idx, unit, weights, sketch)
+        inner_u[:, s_idx], norms_u[s_idx] = ip, nm
+        sketches = np.zeros((len(toks), sketch.k), dtype=np.float32)
+        sketches[s_idx] = sk
+        for a, b, rows in held.chunks():
+            sketches[h_idx[a:b]] = unit_sketch(sketch, rows)
+    copies = list(plan.copies)
+    inner, norms = inner_u[:, copies], norms_u[copies]
+    if sketches is not None:
+        sketches = sketches[copies]
+    per_item = item_scores(inner, settings.direction)
+    scale = None
+    if settings.unit_rows:
+        scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
+        per_item = (per_item * scale[None, :]).astype(per_item.dtype)
+    sc = Scores(per_item=per_item, w=harm_directions(unit, settings.direction), unit=unit, norms=qnorms,
+                precond=pre, row_scale=scale)
+    sc.rank_item, sc.rank_agg = per_item, aggregate(per_item)
+    return sc, OnePass(plan, held, sketches)
