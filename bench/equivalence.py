@@ -1,4 +1,4 @@
-"""Equivalence of two revisions: the same report.json (timings aside), scores.npy and trained adapters.
+"""Equivalence of two revisions: the same report.json (timings and the keys listed with --ignore aside), scores.npy and trained adapters.
 
     .venv/bin/python bench/equivalence.py --before REV            # REV against the working tree
     .venv/bin/python bench/equivalence.py --before REV --quick    # the demo and its variants only
@@ -92,12 +92,29 @@ def attribute(cfg: Path, sets: list[str], src: Path, dest: Path) -> float:
     return (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
 
 
-def compare(a: Path, b: Path) -> list[str]:
+# Never compared: seconds differ from run to run.
+ALWAYS_IGNORED = ("timings", "timings_cpu")
+
+
+def _drop(report: dict, dotted: str) -> None:
+    """Remove a dotted key path (`query.checkpoints.rule`) from a report, where present."""
+    *head, last = dotted.split(".")
+    node = report
+    for k in head:
+        node = node.get(k) if isinstance(node, dict) else None
+        if node is None:
+            return
+    if isinstance(node, dict):
+        node.pop(last, None)
+
+
+def compare(a: Path, b: Path, ignore: tuple = ()) -> list[str]:
     diffs = []
     ra = json.loads((a / "report.json").read_text())
     rb = json.loads((b / "report.json").read_text())
-    ra.pop("timings", None)
-    rb.pop("timings", None)
+    for k in ALWAYS_IGNORED + tuple(ignore):
+        _drop(ra, k)
+        _drop(rb, k)
     if ra != rb:
         keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
         diffs.append(f"report.json differs in {keys}")
@@ -123,6 +140,9 @@ def main() -> int:
     ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "gradian-equivalence")
     ap.add_argument("--quick", action="store_true", help="the demo and its variants only")
+    ap.add_argument("--ignore", action="append", default=[], metavar="KEY.PATH",
+                    help="a report key changed on purpose (dotted, e.g. query.checkpoints.rule); repeatable")
+    ap.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     ap.add_argument("--reuse-before", action="store_true",
                     help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
     args = ap.parse_args()
@@ -139,6 +159,9 @@ def main() -> int:
                                                      DEMO_VARIANTS.items()]
     if not args.quick:
         runs += [(f"{n}-s{seed}", n, seed, []) for n, seed in SCENARIOS]
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = [r for r in runs if r[0] in keep]
     scen = work / "scenarios"
     cfgs: dict[tuple[str, int], Path] = {}
     bad = 0
@@ -165,7 +188,7 @@ def main() -> int:
         if not (args.reuse_before and (dest_b / "report.json").exists()):
             cpu_b = attribute(cfg, sets, b_src, dest_b)
         cpu_a = attribute(cfg, sets, a_src, dest_a)
-        diffs = compare(dest_b, dest_a)
+        diffs = compare(dest_b, dest_a, tuple(args.ignore))
         bad += bool(diffs)
         cpu = f"CPU {cpu_b:.1f}s -> {cpu_a:.1f}s" if cpu_b is not None else f"CPU (after) {cpu_a:.1f}s"
         print(f"{label}: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)} ({cpu})", flush=True)

@@ -178,7 +178,8 @@ def _per_item_scores(run: Path, cfg_path: Path, settings, *, checkpoints: bool =
         sc = score_adapter(s, ix, qitems, direction, preconditioner=kind, damping=damping)
         if checkpoints:
             settings_k = ScoringSettings.from_config(s.cfg, direction, preconditioner=kind, damping=damping)
-            assert over_checkpoints(s, sc, qitems, settings_k)["source"] == "saved"
+            sc, entry = over_checkpoints(s, sc, qitems, settings_k)
+            assert entry["source"] == "saved"
         out[(kind, damping)] = sc.per_item
     ix.close()
     return out, json.loads((run / "truth.json").read_text()), qitems

@@ -119,11 +119,12 @@ class AttributionConfig(_Section):
     # Scale every training row to unit norm in the preconditioner's metric (a cosine): raw inner products let
     # high-loss, long or chatty rows dominate and memorised rows vanish at the final adapter.
     unit_rows: bool = True
-    # Which adapters the scores come from. auto: averaged over the checkpoints saved with the adapter (gradian
-    # train's checkpoints/epoch-*, a Trainer's checkpoint-*) and the final adapter (TracIn-CP), none saved -> the
-    # final adapter alone; earliest: the earliest saved checkpoint alone (before the fine-tune memorised its rows);
-    # N: N checkpoints averaged, replayed from the adapter's Gradian recipe when fewer were saved.
-    checkpoints: Union[Literal["auto", "earliest"], Annotated[int, Field(ge=1)]] = "auto"
+    # Which adapters the scores come from. earliest (the default): the earliest saved checkpoint alone (before the
+    # fine-tune memorised its rows; the final adapter when none was saved), one pass over the rows; auto: averaged
+    # over the checkpoints saved with the adapter (gradian train's checkpoints/epoch-*, a Trainer's checkpoint-*)
+    # and the final adapter (TracIn-CP), one pass per checkpoint; N: N checkpoints averaged, replayed from the
+    # adapter's Gradian recipe when fewer were saved. Evidence for the default: bench/README.md.
+    checkpoints: Union[Literal["auto", "earliest"], Annotated[int, Field(ge=1)]] = "earliest"
     checkpoint_adapters: list[str] = Field(default_factory=list)
     # adamw: scores that model the recorded AdamW run (momentum and second-moment coupling) in place of the
     # preconditioned ones, for adapters `gradian train` recorded (attribution.optimizer).

@@ -1,16 +1,18 @@
-"""The pipeline behind `gradian attribute`, one function per stage, left to right:
+"""The pipeline behind `gradian attribute`: stages left to right, each a function returning a frozen value that the
+next one reads.
 
-    setup (open_session, checks) -> capability (evaluate) -> index (index_stage) -> queries and scores
-    (score_stage: attribution.engine + checkpoints) -> explain (rank_rows, spans, clusters, blame) -> report
+    open_session, checks -> capability_stage: Outcome -> query_stage: Queries -> rank_stage: Ranked
+    -> explain_stage: Explanation -> report.assemble.to_report(Attribution) -> report.json, scores.npy, report.html
 
-`attribute` composes them and writes report.json, scores.npy and report.html; `evaluate` and `index_stage` are also
-the `evaluate` and `index` verbs.
+The scores come from `attribution.stage.scores_for`, the one place that decides which scores a run reports (also
+`fidelity`'s and the benches'). `evaluate` and `index_stage` are also the `evaluate` and `index` verbs.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -18,12 +20,10 @@ import numpy as np
 from .attribution.accused import accused_set, none_accused
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
-from .attribution.stage import WINDOW_ITEM_ROWS, WINDOW_ROWS, Scored, scores_for, spans_context
-from .grads.capture import GradientCapture
-from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
+from .attribution.queries import QueryItem, loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions
-from .attribution.scoring import Scores, aggregate, auprc, degenerate, rank, recall_at_k
-from .attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
+from .attribution.scoring import Scores, aggregate, degenerate, rank
+from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
 from .config import Config, dump_config
@@ -32,14 +32,223 @@ from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
 from .explain.spans import spans_for, window_char_range
+from .grads.capture import GradientCapture
 from .io import atomic_save_npy, atomic_write_text
 from .memory import memory_guard
-from .report.build import SCHEMA, capability_json, preview, score_summary, verdict_text, write_report
+from .report.assemble import to_report, totals_of
+from .report.build import capability_json, preview, write_report
 from .setup.session import Session, open_session
 from .store.build import OpenIndex, open_index
 
 
+# ------------------------------------------------------------------------------------------------- the values
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the capability stage found."""
+
+    result: Optional[CapabilityResult]  # None without an eval set
+    verdict: str  # "attributed" | "declined" | "smoke_test"
+    direction: str  # "regression" | "improvement" ("" for a smoke test)
+    failing: tuple[int, ...]  # the eval items the fine-tune moved
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The failing items as queries, with the text each own-words query differentiates."""
+
+    items: tuple[QueryItem, ...]
+    span_texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The scores and the order they give. `scored` is None for a smoke test (self-influence) or a run declined
+    before scoring; `declined` is (flag id, why) when the scores cannot name a cause."""
+
+    scored: Optional[Scored]
+    order: Optional[np.ndarray]
+    scores: Optional[np.ndarray]  # the ranking score of every row (scores.npy)
+    totals: Optional[np.ndarray]  # whole-row totals (scores_total.npy)
+    declined: Optional[tuple[str, str]]
+    index_summary: Optional[dict]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What the report says about the top rows."""
+
+    rows: tuple[dict, ...]
+    accused: dict
+    spans: tuple[dict, ...]
+    clusters: tuple[dict, ...]
+    clusters_info: Optional[dict]
+    blame: Optional[dict]
+    margins: tuple[dict, ...]  # per failing item: margins under base and fine-tune, and their statement
+    scores: Optional[np.ndarray]
+    totals: Optional[np.ndarray]
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """A finished run, everything `report.assemble.to_report` needs."""
+
+    cfg: Config
+    eval_items: Optional[list]
+    flags: tuple[dict, ...]
+    outcome: Outcome
+    queries: Queries
+    ranked: Ranked
+    explanation: Explanation
+    verdict: str  # the outcome's verdict, or "declined" when the scores could not name a cause
+    truth: Optional[dict]
+    timings: dict
+    timings_cpu: dict
+
+
+# ------------------------------------------------------------------------------------------------- attribute
+
+
+def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
+    """The main job: evaluate, query, score, explain; writes report.json, scores.npy and report.html and returns
+    the report."""
+    from .checks import run_checks_for_session
+
+    t_all, c_all = time.time(), time.process_time()
+    with memory_guard("load"):
+        s = open_session(cfg)
+    run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
+    outcome = capability_stage(s)
+    queries = query_stage(s, outcome)
+    ranked = rank_stage(s, outcome, queries)
+    explanation = explain_stage(s, outcome, queries, ranked)
+    verdict = "declined" if ranked.declined else outcome.verdict
+    s.timings["total"] = round(time.time() - t_all, 3)
+    s.log.cpu["total"] = round(time.process_time() - c_all, 3)
+    a = Attribution(cfg, s.eval_items, tuple(s.flags), outcome, queries, ranked, explanation, verdict, truth,
+                    dict(s.timings), dict(s.log.cpu))
+    report = to_report(a)
+    _write(cfg, report, explanation.scores, totals_of(a))
+    return report
+
+
 # ------------------------------------------------------------------------------------------------- stages
+
+
+def capability_stage(s: Session) -> Outcome:
+    """The capability outcome: `smoke_test` without an eval set, `declined` when the change is not significant (or
+    no item moved), else `attributed`, with the direction and the failing items."""
+    cfg = s.cfg
+    if s.eval_items is None:
+        s.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
+        s.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
+               "add data.eval")
+        return Outcome(None, "smoke_test", "", ())
+    cap = evaluate(s)
+    if current().is_main:
+        atomic_write_text(cfg.output_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
+    failing, direction = select_failing(cap, s.eval_items)
+    if not cap.significant:
+        s.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
+               f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
+               "includes zero", "add eval items or check that the fine-tune changed this capability")
+    declined = (not cap.significant and cfg.evaluation.require_significant) or not failing
+    return Outcome(cap, "declined" if declined else "attributed", direction, tuple(failing))
+
+
+def query_stage(s: Session, outcome: Outcome) -> Queries:
+    """The failing items (at most `attribution.max_items`) as queries; own-words queries get their decisive
+    tokens (`attribution.decisive`)."""
+    cfg, cap = s.cfg, outcome.result
+    if cap is None:
+        return Queries((), ())
+    qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), cfg.attribution.query,
+                         metric=cfg.evaluation.metric, direction=outcome.direction)
+    if outcome.verdict == "attributed" and any(q.formulation == "own_words" for q in qitems):
+        with s.log.stage("decisive tokens", guard="evaluate"):
+            kw = dict(chat=s.chat, max_len=cfg.grads.max_seq_length)
+            starts = decisive_starts(s.model, s.tokenizer, s.eval_items, qitems, s.metric,
+                                     max_new_tokens=cfg.evaluation.max_new_tokens,
+                                     batch_size=cfg.evaluation.batch_size, one_line=s.one_line, **kw)
+            qitems = with_starts(qitems, starts, decision_positions(s.model, s.tokenizer, s.eval_items, qitems, starts,
+                                                                    batch_size=cfg.grads.batch_size, **kw))
+    if cfg.evaluation.metric == "loglik":
+        for f in loglik_flags(qitems):
+            s.flag(*f)
+    texts = tuple(span_text(s, q) if q.formulation == "own_words" and outcome.verdict == "attributed" else ""
+                  for q in qitems)
+    return Queries(tuple(qitems), texts)
+
+
+def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
+    """The scores of every row: `scores_for` for an attributed run, each row's gradient norm for a smoke test."""
+    if outcome.verdict == "declined":
+        return Ranked(None, None, None, None, None, None)
+    if outcome.verdict == "smoke_test":
+        ix = index_stage(s)
+        try:
+            flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
+            scores = _self_influence(ix)
+            return Ranked(None, None, scores, scores, None, ix.info.summary())
+        finally:
+            ix.close()
+    _no_supervised_flag(s)
+    with s.log.stage("score"):
+        scored = scores_for(s, list(queries.items), outcome.direction)
+    # train.not_converged without a recorded loss curve, over the rows the scores were computed from
+    flag_from_index(s, scored.one_pass.held if scored.one_pass is not None else scored.features)
+    _scoring_flags(s, scored, len(queries.items))
+    sc = scored.scores
+    scores, totals = sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
+    declined = degenerate(sc.norms, scores)
+    if declined is not None:
+        # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
+        # confident wrong verdict.
+        s.flag(declined[0], "warning", declined[1], "check the failing items' generated answers in report.json "
+               "(query.items); each query needs a passing and a failing answer that differ")
+        scored.close()
+    summary = scored.rows_summary if scored.one_pass is None else None
+    return Ranked(scored, sc.order, scores, totals, declined, summary)
+
+
+def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked) -> Explanation:
+    """The top rows (losses, verdicts, accused), their spans, the clusters and the items' blame."""
+    cfg = s.cfg
+    if ranked.scores is None or ranked.declined is not None:
+        why = (f"the scores cannot name a cause: {ranked.declined[1]}" if ranked.declined else
+               "the verdict is declined: the capability did not move measurably")
+        return Explanation((), none_accused(why), (), (), None, None, (), None, None)
+    scored, scores = ranked.scored, ranked.scores
+    order = ranked.order if ranked.order is not None else rank(scores)
+    if scored is None:  # smoke test
+        with s.log.stage("base_scores"):
+            rows = rank_rows(s, order, ranked.totals, scores, None)
+        return Explanation(tuple(rows), none_accused("a smoke test (no eval set): the ranking shows gradient outliers, "
+                                                     "not causes"), (), (), None, None, (), scores, ranked.totals)
+    try:
+        accused = accused_set(scores, order, limit=cfg.attribution.top_k)
+        with s.log.stage("base_scores"):
+            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"])
+        spans, clusters, info, block, margins = (), (), None, None, ()
+        if rows:
+            with s.log.stage("spans"):
+                spans = tuple(spans_stage(s, scored, rows, list(queries.items)))
+            with s.log.stage("clusters"):
+                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
+                                    gradients=scored.features, previews=[preview(e.plain_text()) for e in s.examples])
+            clusters, info = tuple(cl["clusters"]), {k: v for k, v in cl.items() if k != "clusters"}
+            with s.log.stage("blame"):
+                block, per_item = blame(s.model, s.tokenizer, s.eval_items, list(queries.items), rows,
+                                        outcome.direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
+                                        batch_size=cfg.evaluation.batch_size)
+            margins = tuple(per_item)
+    finally:
+        scored.close()
+    return Explanation(tuple(rows), accused, spans, clusters, info, block, margins, scores, ranked.totals)
+
+
+# ------------------------------------------------------------------------------------------------- parts
 
 
 def evaluate(s: Session) -> CapabilityResult:
@@ -82,9 +291,10 @@ def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings)
                        ScoringSettings.from_config(s.cfg, direction, **settings), block_dims=block_dims_of(ix.index))
 
 
-def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores]
-              ) -> list[dict]:
-    """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?)."""
+def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores],
+              accused: Optional[int] = None) -> list[dict]:
+    """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
+    given the accused count, whether it is accused."""
     top = order[: s.cfg.attribution.top_k].tolist()
     kw = dict(batch_size=s.cfg.grads.batch_size, pad_id=s.pad_id)
     base_l = row_losses(s.model, s.toks, top, base=True, **kw)
@@ -104,6 +314,8 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
                 a, b = sc.windows[p]["tokens"]
                 rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
                 row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
+        if accused is not None:
+            row["accused"] = r <= accused
         ranking.append(row)
     return ranking
 
@@ -124,196 +336,33 @@ def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> list
                          s.tokenizer)
 
 
-# ------------------------------------------------------------------------------------------------- attribute
-
-
-def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
-    """The main job: evaluate, index, query, score, explain; writes report.json, scores.npy and report.html and
-    returns the report."""
-    from .checks import run_checks_for_session
-
-    t_all, c_all = time.time(), time.process_time()
-    with memory_guard("load"):
-        s = open_session(cfg)
-    run_checks_for_session(s)  # stops on error-level checks before anything is written; warnings become flags
-    out_dir = cfg.output_dir
-    report: dict = {"schema": SCHEMA, "flags": s.flags, "settings": json.loads(json.dumps(cfg.model_dump(mode="json")))}
-    report["settings"].pop("root", None)
-    cap, verdict, direction, failing = _capability(s, out_dir)
-    report["capability"] = capability_json(cap, s.eval_items) if cap else None
-    qitems = query_items(cap, s.eval_items, failing[: cfg.attribution.max_items], cfg.attribution.query,
-                         metric=cfg.evaluation.metric, direction=direction) if cap else []
-    if verdict == "attributed" and any(q.formulation == "own_words" for q in qitems):
-        with s.log.stage("decisive tokens", guard="evaluate"):
-            kw = dict(chat=s.chat, max_len=cfg.grads.max_seq_length)
-            starts = decisive_starts(s.model, s.tokenizer, s.eval_items, qitems, s.metric,
-                                     max_new_tokens=cfg.evaluation.max_new_tokens,
-                                     batch_size=cfg.evaluation.batch_size, one_line=s.one_line, **kw)
-            qitems = with_starts(qitems, starts, decision_positions(s.model, s.tokenizer, s.eval_items, qitems, starts,
-                                                                    batch_size=cfg.grads.batch_size, **kw))
-    if cap is not None and cfg.evaluation.metric == "loglik":
-        for f in loglik_flags(qitems):
-            s.flag(*f)
-    report["query"] = {"formulation": cfg.attribution.query, "direction": direction, "items": []}
-    scores, totals, ranking, clusters, spans_out, blame_out = None, None, [], [], [], None
-    accused = none_accused("the verdict is declined: the capability did not move measurably" if verdict == "declined"
-                           else "a smoke test (no eval set): the ranking shows gradient outliers, not causes")
-    declined_why = None
-    if verdict != "declined":
-        scored, ix, sc = None, None, None
-        if verdict == "attributed":
-            _no_supervised_flag(s)
-            with s.log.stage("score"):
-                scored = scores_for(s, qitems, direction)
-            # train.not_converged without a recorded loss curve, over the rows the scores were computed from
-            flag_from_index(s, scored.one_pass.held if scored.one_pass is not None else scored.features)
-            report["index"] = scored.rows_summary if scored.one_pass is None else None
-            if scored.one_pass is not None:
-                report["scoring"] = scored.rows_summary
-            sc = _attributed_scores(s, scored, qitems, report)
-            order, scores, totals = sc.order, sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
-            declined_why = degenerate(sc.norms, scores)
-        if declined_why is not None:
-            # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
-            # confident wrong verdict.
-            fid, why = declined_why
-            s.flag(fid, "warning", why, "check the failing items' generated answers in report.json (query.items); "
-                   "each query needs a passing and a failing answer that differ")
-            verdict, sc, order, scores, totals = "declined", None, None, None, None
-            accused = none_accused(f"the scores cannot name a cause: {why}")
-        elif verdict == "attributed":
-            pass
-        else:
-            ix = index_stage(s)
-            flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
-            report["index"] = ix.info.summary()
-            order, scores = None, _self_influence(ix)
-            totals = scores
-        if scores is not None:
-            with s.log.stage("base_scores"):
-                ranking = rank_rows(s, order if order is not None else rank(scores), totals, scores, sc)
-        if sc is not None:
-            accused = accused_set(scores, order if order is not None else rank(scores), limit=cfg.attribution.top_k)
-            for row in ranking:
-                row["accused"] = row["rank"] <= accused["count"]
-        if sc is not None and ranking:
-            with s.log.stage("spans"):
-                spans_out = spans_stage(s, scored, ranking, qitems)
-            with s.log.stage("clusters"):
-                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
-                                    gradients=scored.features,
-                                    previews=[preview(e.plain_text()) for e in s.examples])
-            clusters = cl["clusters"]
-            report["clusters_info"] = {k: v for k, v in cl.items() if k != "clusters"}
-            with s.log.stage("blame"):
-                blame_out = blame(s.model, s.tokenizer, s.eval_items, qitems, report["query"]["items"], ranking,
-                                  direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
-                                  batch_size=cfg.evaluation.batch_size)
-        if ix is not None:
-            ix.close()
-        if scored is not None:
-            scored.close()
-    report.update({
-        "verdict": verdict,
-        "verdict_text": verdict_text(verdict, cap, len(qitems), direction,
-                                     declined_why[1] if declined_why else None),
-        "ranking": ranking,
-        "accused": accused,
-        "clusters": clusters,
-        "spans": spans_out,
-        "scores_summary": score_summary(scores) if scores is not None else {"n": 0},
-    })
-    if blame_out is not None:
-        report["blame"] = blame_out
-    report.setdefault("index", None)
-    if truth is not None:
-        report["truth"] = truth
-        if scores is not None and truth.get("planted"):
-            report["metrics"] = {"recall_at_10": recall_at_k(scores, truth["planted"], 10),
-                                 "auprc": auprc(scores, truth["planted"])}
-    s.timings["total"] = round(time.time() - t_all, 3)
-    s.log.cpu["total"] = round(time.process_time() - c_all, 3)
-    report["timings"] = s.timings
-    report["timings_cpu"] = s.log.cpu
-    _write(cfg, report, scores, totals if verdict == "attributed" else None)
-    return report
-
-
-def _capability(s: Session, out_dir) -> tuple[Optional[CapabilityResult], str, str, list[int]]:
-    """(capability, verdict, direction, failing items): `smoke_test` without an eval set, `declined` when the
-    change is not significant (or no item moved)."""
-    cfg = s.cfg
-    if s.eval_items is None:
-        s.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
-        s.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
-               "add data.eval")
-        return None, "smoke_test", "", []
-    cap = evaluate(s)
-    if current().is_main:
-        atomic_write_text(out_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
-    failing, direction = select_failing(cap, s.eval_items)
-    if not cap.significant:
-        s.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
-               f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
-               "includes zero", "add eval items or check that the fine-tune changed this capability")
-    declined = (not cap.significant and cfg.evaluation.require_significant) or not failing
-    return cap, "declined" if declined else "attributed", direction, failing
-
-
-def _attributed_scores(s: Session, scored: Scored, qitems, report: dict) -> Scores:
-    """The scores of an attributed run, with their report entries (preconditioner, windows, checkpoints, the
-    projection self-check and the per-item rankings) and flags."""
-    cfg = s.cfg
-    sc, ck = scored.scores, scored.source.entry
-    if ck is not None:
-        report["query"]["optimizer" if "optimizer" in ck else "checkpoints"] = ck
-    s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, ck))
-    report["query"]["preconditioner"] = sc.precond.describe()
-    report["windows"] = {
-        "tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
-        "per_item_rows": len(sc.window_item_rows),
-        "rule": _windows_rule(scored),
-    }
+def _scoring_flags(s: Session, scored: Scored, n_items: int) -> None:
+    """The flags about where the scores came from: the checkpoints used, windows not computed for every long row,
+    a projected index's self-check."""
+    cfg, sc = s.cfg, scored.scores
+    s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, scored.source.entry))
     if sc.long_rows and not sc.window_items:
-        s.flag("attribution.windows_aggregate_only", "info",
-               f"{len(qitems)} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
-               f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
-               "too; the per-item rankings use the other long rows' totals")
+        if scored.one_pass is not None:
+            s.flag("attribution.windows_aggregate_only", "info",
+                   f"{len(sc.long_rows)} long rows: the {min(len(sc.long_rows), WINDOW_ROWS)} with the highest "
+                   f"whole-row score got their best-window score for the aggregate ranking, and the "
+                   f"{len(sc.window_item_rows)} highest of them per item too; the other rows are ranked by their "
+                   "whole-row score")
+        else:
+            s.flag("attribution.windows_aggregate_only", "info",
+                   f"{n_items} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
+                   f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
+                   "too; the per-item rankings use the other long rows' totals")
     fid = sc.fidelity
     if fid is not None:
-        report["index"]["fidelity"] = fid
         low = (fid["reranked"] or fid["projected_aggregate"])["top50_recall"]
         if low < cfg.grads.fidelity_warn:
             s.flag("index.projection_fidelity", "warning",
                    f"projected scores agree poorly with exact ones (top-50 recall {low:.2f} on a sample of "
                    f"{fid['sample_rows']} rows)", "raise grads.projection_dim or grads.rerank")
-    for qi, row, rrow in zip(qitems, sc.per_item, sc.rank_item):
-        top = rank(rrow, cfg.attribution.top_k)
-        report["query"]["items"].append({
-            "item": qi.item, "prompt": qi.prompt, "expected": qi.expected, "generated": qi.generated,
-            "base_generated": qi.base_generated, "formulation": qi.formulation, "target": qi.target,
-            **({"contrast": qi.contrast} if qi.contrast else {}), "target_source": qi.target_source,
-            **({"query_span": _span_text(s, qi), "span_start": qi.span_start, "span": list(qi.span)}
-               if qi.formulation == "own_words" else {}),
-            "ranking": [{"position": int(p), "score": float(rrow[p]),
-                         **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
-        })
-    return sc
 
 
-def _windows_rule(scored: Scored) -> str:
-    """The report's sentence on how long rows are ranked."""
-    if scored.one_pass is not None:
-        return (f"of the rows with more than {WINDOW_TOKENS} supervised tokens, the {WINDOW_ROWS} with the highest "
-                f"whole-row score are ranked by their best window ({WINDOW_TOKENS} supervised tokens, stride "
-                f"{WINDOW_STRIDE}; per item for the top {WINDOW_ITEM_ROWS} of them); every other row by its total "
-                "score; scores.npy holds the ranking score, scores_total.npy the totals")
-    return (f"rows with more than {WINDOW_TOKENS} supervised tokens are ranked by their best window "
-            f"({WINDOW_TOKENS} supervised tokens, stride {WINDOW_STRIDE}); every other row by its total "
-            "score; scores.npy holds the ranking score, scores_total.npy the totals")
-
-
-def _span_text(s: Session, q) -> str:
+def span_text(s: Session, q) -> str:
     """The text of the tokens an own-words query differentiates (the fine-tune's answer from its decisive token)."""
     by_pos = {it.position: it for it in s.eval_items}
     row, _ = own_words_row(s.tokenizer, by_pos[q.item], q, chat=s.chat, max_len=s.cfg.grads.max_seq_length)

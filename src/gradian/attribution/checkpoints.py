@@ -331,33 +331,29 @@ def checkpoint_weights(adapter_path: str, paths: Sequence[Path]) -> tuple[Option
     return interval_means(rates, order), source
 
 
-def over_checkpoints(s, sc, qitems, settings) -> Optional[dict]:
-    """Average `sc` (the final adapter's `Scores`) with the earlier checkpoints' scores, in place; the ranking then
-    follows the averaged scores (the exact re-ranking order of the final adapter alone is dropped). Returns the
-    report entry, or None when no earlier checkpoint is used."""
-    from .scoring import aggregate
-
+def over_checkpoints(s, sc, qitems, settings):
+    """(`sc`, the final adapter's `Scores`, averaged with the earlier checkpoints' scores; the report entry, or
+    None when no earlier checkpoint is used). The ranking then follows the averaged scores (the exact re-ranking
+    order of the final adapter alone is dropped)."""
     t0 = time.time()
     paths, labels = resolve(s)
     if not paths:
-        return None
+        return sc, None
     parts = checkpoint_scores(s, paths, qitems, settings)
     earliest = s.cfg.attribution.checkpoints == "earliest" and not s.cfg.attribution.checkpoint_adapters
     if earliest:  # the earliest checkpoint's scores alone: weight 1, the final adapter's 0
         weights, weights_source = [1.0] + [0.0] * len(parts), "attribution.checkpoints: earliest"
     else:
         weights, weights_source = checkpoint_weights(s.adapter_path, paths)
-    sc.per_item = average(sc.per_item, [p for p, _ in parts], weights)
-    sc.rank_item = average(sc.rank_item, [r for _, r in parts], weights)
-    sc.rank_agg = aggregate(sc.rank_item)
-    sc.order = None
+    sc = sc.with_scores(average(sc.per_item, [p for p, _ in parts], weights),
+                        average(sc.rank_item, [r for _, r in parts], weights))
     s.timings["checkpoints"] = round(time.time() - t0, 3)
     source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
               "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
-    return {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
-            "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
-            "weights": weights, "weights_source": weights_source,
-            "rule": _rule(earliest, labels, weights)}
+    return sc, {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
+                "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
+                "weights": weights, "weights_source": weights_source,
+                "rule": _rule(earliest, labels, weights)}
 
 
 def _rule(earliest: bool, labels: Sequence[str], weights: Optional[Sequence[float]]) -> str:

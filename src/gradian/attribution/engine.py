@@ -15,7 +15,7 @@ most `directions.DIRECTION_BYTES`, one pass over the rows scored per block.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -232,15 +232,16 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
         sc = score(q, rows, pre, settings.direction, unit_rows=settings.unit_rows)
     grads.timings["precondition"] = round(time.time() - t0, 3)
     if settings.windows:
-        _windows(grads, sc, projector, skip=win.projected_windows_overwritten(
+        sc = _windows(grads, sc, projector, skip=win.projected_windows_overwritten(
             projector.exact, rows.n, settings.rerank, sc.w.shape[0]))
     if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
         return sc
     # EK-FAC's exact queries are already preconditioned (in memory: [Q, D_exact]); the others come in blocks
     exact_q = q_ex if q_ex is not None else grads.exact_queries(qitems)
     proj_scale = None if sc.row_scale is None else sc.row_scale.copy()  # index-space norms, for the self-check
-    sc.e, sc.r = rr.exact_directions(sc, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
-                                     settings.direction)
+    e, r = rr.exact_directions(sc, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
+                               settings.direction)
+    sc = replace(sc, e=e, r=r)
     n = rows.n
     cand = rr.candidates(sc.rank_agg, settings.rerank)
     sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
@@ -261,18 +262,18 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
         if exact_scale is not None:
             rs = sc.row_scale.copy()
             rs[cand] = exact_scale[cols]
-            sc.row_scale = rs
-        rr.put_exact_items(sc, cand, ex[:, cols])
+            sc = replace(sc, row_scale=rs)
+        sc = rr.put_exact_items(sc, cand, ex[:, cols])
         exact_agg = aggregate(ex[:, cols])
         if settings.windows:
-            exact_agg = _candidate_windows(grads, sc, projector, cand, exact_agg)
-        rr.put_exact_order(sc, cand, exact_agg)
+            sc, exact_agg = _candidate_windows(grads, sc, projector, cand, exact_agg)
+        sc = rr.put_exact_order(sc, cand, exact_agg)
     if sample.size >= 2:
         ex_s = ex[:, [col[int(p)] for p in sample]]
         proj_s = item_scores(rows.subset(sample).inner(sc.unit), settings.direction)
         if proj_scale is not None:
             proj_s = proj_s * proj_scale[sample][None, :]
-        sc.fidelity = rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size))
+        sc = replace(sc, fidelity=rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size)))
     return sc
 
 
@@ -295,35 +296,35 @@ def _ekfac_scores(grads: ModelGradients, rows: RowSource, qitems, settings: Scor
     return score_directions(unit, norms, rows, pre, settings.direction, scale), q, qp_ex
 
 
-def _windows(grads: ModelGradients, sc: Scores, projector, *, skip: bool = False) -> None:
-    """Best windows of the long rows along the index-space directions; with `skip`
+def _windows(grads: ModelGradients, sc: Scores, projector, *, skip: bool = False) -> Scores:
+    """`sc` with the best windows of the long rows along the index-space directions; with `skip`
     (`windows.projected_windows_overwritten`) only the bookkeeping: the exact re-rank computes every one of them."""
     long_rows = win.long_rows(grads.toks)
-    sc.long_rows = long_rows
+    sc = replace(sc, long_rows=long_rows)
     if not long_rows:
-        return
+        return sc
     t0 = time.time()
     Q = sc.w.shape[0]
     if Q > win.WINDOW_ITEMS_MAX:  # never with `skip`: the rows with per-item windows then depend on these scores
         res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), long_rows))
-        win.aggregate_windows(sc, long_rows, res)
+        sc = win.aggregate_windows(sc, long_rows, res)
     item_rows = win.item_window_rows(sc, long_rows, Q)
-    sc.window_items = len(item_rows) == len(long_rows)
-    sc.window_item_rows = list(item_rows)
+    sc = replace(sc, window_items=len(item_rows) == len(long_rows), window_item_rows=list(item_rows))
     if skip:
-        return
+        return sc
     res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w), item_rows))
-    win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
+    sc = win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+    return sc
 
 
 def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.ndarray,
-                       exact_agg: np.ndarray) -> np.ndarray:
+                       exact_agg: np.ndarray) -> tuple[Scores, np.ndarray]:
     # in row order, not the candidates' order: which rows share a forward batch (the last bits of their
     # contributions) then does not depend on the projected scores that ordered the candidates
     long_c = sorted(int(p) for p in cand if win.is_long(grads.toks[int(p)]))
     if not long_c:
-        return exact_agg
+        return sc, exact_agg
     t0 = time.time()
     dirs = rr.parameter_directions(sc, projector, exact_part=True)
     item_rows = set(sc.window_item_rows)
@@ -331,9 +332,9 @@ def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.nd
     res = scaled_contributions(sc, grads.contributions(dirs, jobs_rows)) if jobs_rows else {}
     agg_only = [p for p in long_c if p not in item_rows]
     res_agg = scaled_contributions(sc, grads.contributions(dirs.mean(), agg_only)) if agg_only else {}
-    out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
+    sc, out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
-    return out
+    return sc, out
 
 
 def scaled_contributions(sc: Scores, contribs: dict) -> dict:

@@ -221,6 +221,5 @@ def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_
         scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
         per_item = (per_item * scale[None, :]).astype(per_item.dtype)
     sc = Scores(per_item=per_item, w=harm_directions(unit, settings.direction), unit=unit, norms=qnorms,
-                precond=pre, row_scale=scale)
-    sc.rank_item, sc.rank_agg = per_item, aggregate(per_item)
+                precond=pre, rank_item=per_item, rank_agg=aggregate(per_item), row_scale=scale)
     return sc, OnePass(plan, held, sketches)

@@ -293,12 +293,10 @@ def optimizer_scores(s, qitems, direction: str) -> tuple[Optional[np.ndarray], s
     return trajectory_scores(grads, traj, q_ex, direction), "", traj
 
 
-def over_trajectory(s, sc, qitems, settings) -> Optional[dict]:
-    """Replace `sc`'s scores (the final adapter's) by the optimizer-aware ones, in place, when the adapter has a
-    recorded trajectory; else flag why and leave them. Returns the report entry, or None."""
+def over_trajectory(s, sc, qitems, settings):
+    """(`sc` with its scores (the final adapter's) replaced by the optimizer-aware ones, the report entry) when the
+    adapter has a recorded trajectory; else flag why and return (`sc`, None)."""
     import time
-
-    from .scoring import aggregate
 
     t0 = time.time()
     P, why, traj = optimizer_scores(s, qitems, settings.direction)
@@ -306,13 +304,10 @@ def over_trajectory(s, sc, qitems, settings) -> Optional[dict]:
         s.flag("attribution.no_trajectory", "warning",
                f"attribution.optimizer is adamw but {why}; the scores are the preconditioned ones",
                "train the adapter with `gradian train` (it records the optimizer's trajectory beside the adapter)")
-        return None
-    sc.per_item = P
-    sc.rank_item = P.copy()
-    sc.rank_agg = aggregate(P)
-    sc.order = None
+        return sc, None
+    sc = sc.with_scores(P, P.copy())
     s.timings["optimizer"] = round(time.time() - t0, 3)
-    return {"optimizer": "adamw", "epochs": len(traj.epochs), "steps": len(traj.steps), "file": str(traj.path),
+    return sc, {"optimizer": "adamw", "epochs": len(traj.epochs), "steps": len(traj.steps), "file": str(traj.path),
             "rule": "first-order effect of removing each row on the recorded AdamW run (momentum and second-moment "
                     "coupling), per unit query norm; re-ranking, windows, spans and blame use the final adapter"}
 

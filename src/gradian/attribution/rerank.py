@@ -9,6 +9,7 @@ well the projected scores agree with exact ones (`self_check`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -119,22 +120,20 @@ def fidelity_sample(n: int, k: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=min(k, n), replace=False))
 
 
-def put_exact_items(sc: Scores, cand: np.ndarray, exact: np.ndarray) -> None:
-    """The candidates' exact per-item scores [Q, len(cand)] in place of their projected ones."""
-    sc.cand = cand.astype(np.int64)
+def put_exact_items(sc: Scores, cand: np.ndarray, exact: np.ndarray) -> Scores:
+    """`sc` with the candidates' exact per-item scores [Q, len(cand)] in place of their projected ones."""
     per_item = sc.per_item.copy()
     per_item[:, cand] = exact
     rank_item = sc.rank_item.copy()
     rank_item[:, cand] = exact
-    sc.per_item, sc.rank_item = per_item, rank_item
+    return replace(sc, cand=cand.astype(np.int64), per_item=per_item, rank_item=rank_item)
 
 
-def put_exact_order(sc: Scores, cand: np.ndarray, exact_agg: np.ndarray) -> None:
-    """The candidates first in the ranking, by their exact ranking scores; every other row after them."""
-    sc.order = rerank_order(sc.rank_agg, cand, exact_agg)
+def put_exact_order(sc: Scores, cand: np.ndarray, exact_agg: np.ndarray) -> Scores:
+    """`sc` with the candidates first in the ranking, by their exact ranking scores; every other row after them."""
     rank_agg = sc.rank_agg.copy()
     rank_agg[cand] = exact_agg
-    sc.rank_agg = rank_agg
+    return replace(sc, order=rerank_order(sc.rank_agg, cand, exact_agg), rank_agg=rank_agg)
 
 
 def parameter_directions(sc: Scores, projector, exact_part: bool) -> Directions:

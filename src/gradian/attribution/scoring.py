@@ -13,7 +13,7 @@ and the harm-signed directions that reproduce them, `per_item = w @ g`); `attrib
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -94,7 +94,7 @@ def degenerate(query_norms: np.ndarray, scores: Optional[np.ndarray]) -> Optiona
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scores:
     """Per-item scores of every training row and what reproduces them.
 
@@ -124,6 +124,11 @@ class Scores:
 
     def scale_of(self, p: int) -> float:
         return 1.0 if self.row_scale is None else float(self.row_scale[p])
+
+    def with_scores(self, per_item: np.ndarray, rank_item: np.ndarray) -> "Scores":
+        """These scores replaced (an average over checkpoints, the optimizer-aware scores): the ranking follows
+        them, and an exact re-rank's order of the old ones is dropped."""
+        return replace(self, per_item=per_item, rank_item=rank_item, rank_agg=aggregate(rank_item), order=None)
 
 
 def row_scales(rows, preconditioner) -> np.ndarray:
@@ -164,7 +169,6 @@ def score_directions(unit: np.ndarray, norms: np.ndarray, rows, preconditioner, 
     per_item = item_scores(rows.inner(unit), direction)
     if row_scale is not None:
         per_item = (per_item * row_scale[None, :]).astype(per_item.dtype)
-    sc = Scores(per_item=per_item, w=harm_directions(unit, direction), unit=unit, norms=norms, precond=preconditioner,
-                row_scale=None if row_scale is None else np.asarray(row_scale, dtype=np.float64))
-    sc.rank_item, sc.rank_agg = per_item, aggregate(per_item)
-    return sc
+    return Scores(per_item=per_item, w=harm_directions(unit, direction), unit=unit, norms=norms,
+                  precond=preconditioner, rank_item=per_item, rank_agg=aggregate(per_item),
+                  row_scale=None if row_scale is None else np.asarray(row_scale, dtype=np.float64))

@@ -34,7 +34,7 @@ from . import windows as win
 from .directions import BackProjected
 from .engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .one_pass import OnePass, score_one_pass
-from .scoring import Scores, aggregate
+from .scoring import Scores
 
 ONE_PASS_PRECONDITIONERS = ("identity", "diagonal", "fisher", "datainf")
 WINDOW_ROWS = 32  # one pass: the long rows windowed are the top WINDOW_ROWS by their whole-row score
@@ -97,7 +97,7 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
         grads = ModelGradients.from_session(view, cap)
         sc, op = score_one_pass(grads, qitems, settings)
         if settings.windows:
-            bounded_windows(grads, sc)
+            sc = bounded_windows(grads, sc)
         view.timings["one_pass"] = round(view.timings.get("one_pass", 0.0) + time.time() - t0, 3)
         return Scored(sc, ScoreSource("one_pass", ("final",), (view.adapter_path,)), cap.projector,
                       op.cluster_features(len(view.toks)), op.describe(), one_pass=op)
@@ -112,29 +112,29 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
                   ix.info.summary(), index=ix)
 
 
-def bounded_windows(grads: ModelGradients, sc: Scores) -> None:
+def bounded_windows(grads: ModelGradients, sc: Scores) -> Scores:
     """Best windows of long rows (`attribution.windows`) at a bounded cost, along exact directions: the top
     `WINDOW_ROWS` long rows by whole-row score get their best window along the items' mean direction (one
     forward-mode pass each; by linearity the mean of the per-item contributions), and the top `WINDOW_ITEM_ROWS` of
     them per-item windows too. Every other long row keeps its whole-row score."""
     long_rows = win.long_rows(grads.toks)
-    sc.long_rows = long_rows
+    sc = replace(sc, long_rows=long_rows)
     if not long_rows:
-        return
+        return sc
     t0 = time.time()
     projector = grads.exact().projector
     top = sorted(long_rows, key=lambda p: (-sc.rank_agg[p], p))[:WINDOW_ROWS]
     top = sorted(top)  # row order: which rows share a forward batch does not depend on the scores
     res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), top))
-    win.aggregate_windows(sc, top, res)
+    sc = win.aggregate_windows(sc, top, res)
     Q = sc.w.shape[0]
     item_rows = sorted(sorted(top, key=lambda p: (-sc.rank_agg[p], p))[:WINDOW_ITEM_ROWS])
-    sc.window_item_rows = list(item_rows)
-    sc.window_items = len(item_rows) == len(long_rows)
+    sc = replace(sc, window_item_rows=list(item_rows), window_items=len(item_rows) == len(long_rows))
     if Q and item_rows:
         res_i = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w), item_rows))
-        win.apply_item_windows(sc, item_rows, res_i, Q, aggregate=False)
+        sc = win.apply_item_windows(sc, item_rows, res_i, Q, aggregate=False)
     grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+    return sc
 
 
 def scoring_states(s) -> tuple[list[Path], list[str], bool]:
@@ -204,19 +204,16 @@ def _averaged(s, qitems, settings: ScoringSettings, paths: Sequence[Path], label
             st.close()
         parts.append((np.asarray(st.scores.per_item, np.float64), np.asarray(st.scores.rank_item, np.float64)))
     final = score_state(s, qitems, settings)
-    sc = final.scores
     weights, weights_source = ck_.checkpoint_weights(s.adapter_path, paths)
-    sc.per_item = ck_.average(sc.per_item, [p for p, _ in parts], weights)
-    sc.rank_item = ck_.average(sc.rank_item, [r for _, r in parts], weights)
-    sc.rank_agg = aggregate(sc.rank_item)
-    sc.order = None
+    sc = final.scores.with_scores(ck_.average(final.scores.per_item, [p for p, _ in parts], weights),
+                                  ck_.average(final.scores.rank_item, [r for _, r in parts], weights))
     s.timings["checkpoints"] = round(time.time() - t0, 3)
     source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
               "saved" if all(ck_._is_saved(p, s.adapter_path) for p in paths) else "replayed")
     entry = {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
              "labels": list(labels) + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
              "weights": weights, "weights_source": weights_source, "rule": ck_._rule(False, labels, weights)}
-    return replace(final, source=ScoreSource(final.source.method, tuple(labels) + ("final",),
+    return replace(final, scores=sc, source=ScoreSource(final.source.method, tuple(labels) + ("final",),
                                              tuple(str(p) for p in paths) + (s.adapter_path,), entry))
 
 
@@ -226,14 +223,13 @@ def _legacy(s, qitems, settings: ScoringSettings) -> Scored:
     from .optimizer import over_trajectory
 
     final = score_state(s, qitems, settings)
-    sc = final.scores
-    entry = None
+    sc, entry = final.scores, None
     if s.cfg.attribution.optimizer == "adamw":
-        entry = over_trajectory(s, sc, qitems, settings)
+        sc, entry = over_trajectory(s, sc, qitems, settings)
     if entry is None:
-        entry = ck_.over_checkpoints(s, sc, qitems, settings)
+        sc, entry = ck_.over_checkpoints(s, sc, qitems, settings)
     labels = tuple(entry["labels"]) if entry and "labels" in entry else ("final",)
-    return replace(final, source=replace(final.source, states=labels, entry=entry))
+    return replace(final, scores=sc, source=replace(final.source, states=labels, entry=entry))
 
 
 def spans_context(s, scored: Scored):

@@ -8,6 +8,7 @@ here is a pure function of contributions and scores.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -50,15 +51,16 @@ def long_rows(toks: Sequence[Tokenized]) -> list[int]:
     return [p for p, t in enumerate(toks) if is_long(t)]
 
 
-def aggregate_windows(sc, rows: Sequence[int], contribs: dict) -> None:
-    """Best windows of `rows` along the items' mean direction (contributions {(p, 0): c}) as their aggregate
-    ranking score; used when there are too many items for per-item windows of every long row."""
+def aggregate_windows(sc, rows: Sequence[int], contribs: dict):
+    """`sc` with the best windows of `rows` along the items' mean direction (contributions {(p, 0): c}) as their
+    aggregate ranking score; used when there are too many items for per-item windows of every long row."""
     rank_agg = sc.rank_agg.copy()
+    found = dict(sc.windows)
     for p in rows:
         best, (a, b) = best_window(contribs[(p, 0)])
         rank_agg[p] = best
-        sc.windows[p] = {"tokens": (a, b), "score": best, "total": float(contribs[(p, 0)].sum())}
-    sc.rank_agg = rank_agg
+        found[p] = {"tokens": (a, b), "score": best, "total": float(contribs[(p, 0)].sum())}
+    return replace(sc, rank_agg=rank_agg, windows=found)
 
 
 def projected_windows_overwritten(exact: bool, n_rows: int, rerank: int, n_items: int) -> bool:
@@ -79,11 +81,13 @@ def item_window_rows(sc, rows: Sequence[int], n_items: int) -> list[int]:
     return sorted(rows, key=lambda p: (-sc.rank_agg[p], p))[:n]
 
 
-def apply_item_windows(sc, rows: Sequence[int], contribs: dict, n_items: int, *, aggregate: bool) -> None:
-    """Per-item best windows of `rows` (contributions {(p, k): c} along each item's direction) into `rank_item`;
-    with `aggregate`, the best window of the items' mean contributions is also the row's ranking score."""
+def apply_item_windows(sc, rows: Sequence[int], contribs: dict, n_items: int, *, aggregate: bool):
+    """`sc` with the per-item best windows of `rows` (contributions {(p, k): c} along each item's direction) in
+    `rank_item`; with `aggregate`, the best window of the items' mean contributions is also the row's ranking
+    score."""
     rank_item = sc.rank_item.copy()
     rank_agg = sc.rank_agg.copy()
+    found = dict(sc.windows)
     for p in rows:
         cs = np.stack([contribs[(p, k)] for k in range(n_items)])
         for i in range(n_items):
@@ -92,27 +96,29 @@ def apply_item_windows(sc, rows: Sequence[int], contribs: dict, n_items: int, *,
             agg_c = cs.mean(0)
             best, (a, b) = best_window(agg_c)
             rank_agg[p] = best
-            sc.windows[p] = {"tokens": (a, b), "score": best, "total": float(agg_c.sum())}
-    sc.rank_item, sc.rank_agg = rank_item, rank_agg
+            found[p] = {"tokens": (a, b), "score": best, "total": float(agg_c.sum())}
+    return replace(sc, rank_item=rank_item, rank_agg=rank_agg, windows=found)
 
 
 def candidate_windows(sc, cand: np.ndarray, rows: Sequence[int], item_contribs: dict, agg_contribs: dict,
-                      exact_agg: np.ndarray, n_items: int) -> np.ndarray:
+                      exact_agg: np.ndarray, n_items: int):
     """Exact best windows of the long re-ranked candidates `rows` (of `cand`): per item for those with per-item
-    windows (`item_contribs`), else along the mean direction (`agg_contribs`). Updates `rank_item` in place and
-    returns the candidates' exact ranking scores."""
+    windows (`item_contribs`), else along the mean direction (`agg_contribs`). Returns (`sc` with them in
+    `rank_item` and `windows`, the candidates' exact ranking scores)."""
     item_rows = set(sc.window_item_rows)
     out = exact_agg.copy()
+    rank_item = sc.rank_item.copy()
+    found = dict(sc.windows)
     where = {int(p): j for j, p in enumerate(cand)}
     for p in rows:
         if p in item_rows:
             cs = np.stack([item_contribs[(p, k)] for k in range(n_items)])
             for i in range(n_items):
-                sc.rank_item[i, p] = best_window(cs[i])[0]
+                rank_item[i, p] = best_window(cs[i])[0]
             agg_c = cs.mean(0)
         else:
             agg_c = agg_contribs[(p, 0)]
         best, (a, b) = best_window(agg_c)
         out[where[p]] = best
-        sc.windows[p] = {"tokens": (a, b), "score": best, "total": float(agg_c.sum())}
-    return out
+        found[p] = {"tokens": (a, b), "score": best, "total": float(agg_c.sum())}
+    return replace(sc, rank_item=rank_item, windows=found), out

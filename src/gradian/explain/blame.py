@@ -198,10 +198,10 @@ def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id
     return [out[p] for p in positions]
 
 
-def blame(model, tokenizer, eval_items, qitems, report_items: list[dict], ranking: list[dict], direction: str, *,
-          chat: bool, max_len: int, batch_size: int) -> dict:
-    """Per failing item (in `report_items`, in place): the margins under base and fine-tune and their statement;
-    returns the top-level `blame` block."""
+def blame(model, tokenizer, eval_items, qitems, ranking: Sequence[dict], direction: str, *, chat: bool, max_len: int,
+          batch_size: int) -> tuple[dict, list[dict]]:
+    """(the top-level `blame` block, per failing item its margins under base and fine-tune and their statement:
+    {margin_base, margin_tuned, statement}, in `qitems` order)."""
     from ..attribution.queries import contrast_answer
 
     by_pos = {it.position: it for it in eval_items or []}
@@ -213,9 +213,8 @@ def blame(model, tokenizer, eval_items, qitems, report_items: list[dict], rankin
     failing = [q.contrast or contrast_answer(q.expected, q.generated) for q in qitems]
     mb, mt = item_margins(model, tokenizer, its, passing, failing, chat=chat, max_len=max_len, batch_size=batch_size,
                           as_given=True)
-    for d, b, t, q, p_, f_ in zip(report_items, mb, mt, qitems, passing, failing):
-        d["margin_base"], d["margin_tuned"] = b, t
-        d["statement"] = item_statement(b, t, p_, f_, direction or "regression")
+    per_item = [{"margin_base": b, "margin_tuned": t, "statement": item_statement(b, t, p_, f_, direction or "regression")}
+                for b, t, p_, f_ in zip(mb, mt, passing, failing)]
     # the row verdicts of the accused rows only: the statement speaks of them
-    return summarize([r.get("verdict", "unknown") for r in ranking if r.get("accused")], report_items,
-                     direction or "regression")
+    return summarize([r.get("verdict", "unknown") for r in ranking if r.get("accused")], per_item,
+                     direction or "regression"), per_item

@@ -90,8 +90,11 @@ def scores_with(s, ix, qitems, settings) -> np.ndarray:
     sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
                      block_dims=block_dims_of(ix.index))
     # the scores `attribute` reports: the optimizer-aware ones when asked for and recorded, else the checkpoints'
-    if s.cfg.attribution.optimizer != "adamw" or over_trajectory(s, sc, qitems, settings) is None:
-        over_checkpoints(s, sc, qitems, settings)
+    entry = None
+    if s.cfg.attribution.optimizer == "adamw":
+        sc, entry = over_trajectory(s, sc, qitems, settings)
+    if entry is None:
+        sc, _ = over_checkpoints(s, sc, qitems, settings)
     return np.asarray(sc.per_item, dtype=np.float64)
 
 
