@@ -47,6 +47,8 @@ from ..config import Config
 from ..errors import VerifyError
 from .. import distributed as dist_
 from ..io import atomic_write_text
+from ..report.read import queries_from_report
+from ..report.schema import Report
 from .retrain import adapters_equal, retrain, retrain_recipe
 from .verify import read_report
 
@@ -63,14 +65,13 @@ def correlations(x: Sequence[float], y: Sequence[float]) -> dict:
     return {"pearson": float(pearsonr(x, y)[0]), "spearman": float(spearmanr(x, y)[0]), "n": int(x.size)}
 
 
-def report_queries(report: dict) -> tuple[list[QueryItem], str]:
-    """The failing items of a report as queries, and its direction."""
-    q = report.get("query") or {}
-    items = [QueryItem(int(it["item"]), it["prompt"], it["expected"], it["generated"], it.get("base_generated", ""),
-                       it.get("formulation") or q.get("formulation", "contrastive")) for it in q.get("items") or []]
+def report_queries(report: Report) -> tuple[list[QueryItem], str]:
+    """The failing items' queries exactly as `attribute` built them (`report.read.queries_from_report`: every
+    field, the own-words target, contrast and span included), and the report's direction."""
+    items = queries_from_report(report)
     if not items:
         raise VerifyError("report.json lists no failing items in query.items; rerun `gradian attribute CONFIG`")
-    return items, q.get("direction") or "regression"
+    return items, report.query.direction or "regression"
 
 
 def query_losses(model, s, qitems) -> np.ndarray:

@@ -12,7 +12,7 @@ What it does, in order:
 3. Re-measures the capability of each retrain on the same eval items with the same generation settings, and
    reports its value, the share of the fine-tune's change it reverted and paired bootstrap intervals.
 
-Removal is by zero-weighting in place (see :func:`gradian.train.train_adapter`): the data order is a function of
+Removal is by zero-weighting in place (see :func:`gradian.training.loop.train_adapter`): the data order is a function of
 (n, epochs, batch size, seed) only, so every remaining row keeps its batch and its step; a dropped row contributes
 nothing to its batch's loss, whose token-weighted mean is over the remaining rows' supervised tokens. A batch left
 with no rows skips its optimizer step. Nothing else changes between the original fine-tune and a retrain.
@@ -54,6 +54,8 @@ from ..config import Config
 from ..errors import VerifyError
 from .. import distributed as dist_
 from ..io import atomic_write_text
+from ..report.read import REPORT_FILE, load_report
+from ..report.schema import Report
 from ..training.backends import backend_for
 from .retrain import adapters_equal, measure_adapter, removal_text, retrain, retrain_recipe
 
@@ -64,29 +66,26 @@ RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_exclude
 # ------------------------------------------------------------------------------------------ inputs
 
 
-def read_report(cfg: Config, verb: str = "verify") -> dict:
-    path = cfg.output_dir / "report.json"
+def read_report(cfg: Config, verb: str = "verify") -> Report:
+    """OUT/report.json, typed (`report.read.load_report`), when it attributed rows; VerifyError saying why not."""
+    path = cfg.output_dir / REPORT_FILE
     if not path.exists():
         raise VerifyError(f"{path}: no report to {verb}; run `gradian attribute CONFIG` first")
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot be read as JSON ({e})") from None
-    verdict = report.get("verdict")
+    report = load_report(cfg.output_dir)
+    verdict = report.verdict
     if verdict != "attributed":
         why = {"declined": "the fine-tune did not move the capability measurably, so no rows were accused",
                "smoke_test": "there is no eval set, so the ranking is a smoke test, not an accusation"}.get(
                    verdict, f"the verdict is {verdict!r}")
         raise VerifyError(f"{path}: verdict is '{verdict}', not 'attributed': {why}; there is nothing to {verb}")
-    if not report.get("ranking"):
+    if not report.ranking:
         raise VerifyError(f"{path}: the report ranks no training rows; rerun `gradian attribute CONFIG`")
     return report
 
 
-def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
-    acc = report.get("accused") or {}
-    if int(acc.get("count") or 0) > 0:
-        return int(acc["count"]), "the accused set (report.json accused: rows that stand out from the null)"
+def default_top_k(cfg: Config, report: Report, n_rows: int) -> tuple[int, str]:
+    if report.accused is not None and report.accused.count > 0:
+        return report.accused.count, "the accused set (report.json accused: rows that stand out from the null)"
     truth = _truth(cfg, report)
     if truth and truth.get("planted"):
         return len(truth["planted"]), "the number of planted rows (truth.json)"
@@ -94,19 +93,19 @@ def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
     return k, "min(attribution.top_k, 5% of the rows)"
 
 
-def _truth(cfg: Config, report: dict) -> Optional[dict]:
+def _truth(cfg: Config, report: Report) -> Optional[dict]:
     f = cfg.output_dir / "truth.json"
     if f.exists():
         try:
             return json.loads(f.read_text())
         except ValueError:
             return None
-    return report.get("truth")
+    return report.truth.model_dump(mode="json", exclude_unset=True) if report.truth is not None else None
 
 
-def accused_positions(report: dict, scores: Optional[np.ndarray], k: int) -> list[int]:
+def accused_positions(report: Report, scores: Optional[np.ndarray], k: int) -> list[int]:
     """The top k rows in the order the report shows them (exact re-ranking included), then by scores.npy."""
-    out = [int(r["position"]) for r in report.get("ranking", [])][:k]
+    out = [r.position for r in report.ranking][:k]
     if len(out) < k and scores is not None:
         from ..attribution.scoring import rank
 
@@ -226,13 +225,16 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
         raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
     ctx = open_session(cfg, load_model_=False)
     n = len(ctx.examples)
-    cap = report.get("capability") or {}
-    items = cap.get("items") or []
+    cap = report.capability
+    items = cap.items if cap is not None else []
     if len(items) != len(ctx.eval_items):
         raise VerifyError(f"{cfg.output_dir / 'report.json'}: it measured {len(items)} eval items but data.eval has "
                           f"{len(ctx.eval_items)}; rerun `gradian attribute CONFIG`")
-    base_s = [float(it["base_score"]) for it in items]
-    tuned_s = [float(it["tuned_score"]) for it in items]
+    if any(it.base_score is None or it.tuned_score is None for it in items):
+        raise VerifyError(f"{cfg.output_dir / REPORT_FILE}: capability.items have no base_score/tuned_score (a report "
+                          "of an older version); rerun `gradian attribute CONFIG`")
+    base_s = [float(it.base_score) for it in items]
+    tuned_s = [float(it.tuned_score) for it in items]
     scores_path = cfg.output_dir / "scores.npy"
     scores = np.load(scores_path, allow_pickle=False) if scores_path.exists() else None
     if top_k is None:
@@ -315,7 +317,7 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
     truth = _truth(cfg, report)
     res = {
         "schema": SCHEMA,
-        "metric": cap.get("metric", e.metric),
+        "metric": cap.metric,
         "n_items": len(items),
         "n_rows": n,
         "top_k": k,
