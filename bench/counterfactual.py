@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("GRADIAN_THREADS", "1")
@@ -44,19 +43,20 @@ def main() -> None:
     args = ap.parse_args()
 
     from gradian.config import load_config
+    from gradian.report.read import load_report
     from gradian.setup.session import open_session
-    from gradian.validate.retrain import measure_adapter, retrain, retrain_recipe
+    from gradian.validate.retrain import RetrainJob, RetrainSettings, measure_adapter, retrain_many, retrain_recipe
 
     run = Path(args.run).resolve()
-    rep = json.loads((run / "bench-out" / "report.json").read_text())
+    rep = load_report(run / "bench-out")
     planted = sorted(json.loads((run / "truth.json").read_text())["planted"])
-    accused = sorted(rep["accused"]["positions"])
+    accused = sorted(rep.accused.positions)
     cfg = load_config(run / "gradian.yaml", ["output=bench-out"])
     s = open_session(cfg, load_model_=False)
     n = len(s.examples)
-    items = rep["capability"]["items"]
-    base = np.array([float(it["base_score"]) for it in items])
-    tuned = np.array([float(it["tuned_score"]) for it in items])
+    items = rep.capability.items
+    base = np.array([float(it.base_score) for it in items])
+    tuned = np.array([float(it.tuned_score) for it in items])
     broken = np.flatnonzero((base > 0.5) & (tuned < 0.5))
     unplanted = [p for p in accused if p not in planted]
     rng = np.random.default_rng(args.seed)
@@ -71,20 +71,22 @@ def main() -> None:
           f"{len(broken)} items broken by the fine-tune; capability {base.mean():.3f} -> {tuned.mean():.3f}",
           flush=True)
     work = run / "counterfactual"
-    for name in [x for x in args.sets.split(",") if x]:
-        excl = sets[name]
-        c0 = time.process_time()
-        path = retrain(cfg, recipe, excl, work / name, user_adapter, progress=False, label=name)
-        c1 = time.process_time()
-        sc, gen = measure_adapter(cfg, path, s)
-        sc = np.array(sc, dtype=float)
+    jobs = [RetrainJob(name, tuple(sets[name]), work / name) for name in [x for x in args.sets.split(",") if x]]
+
+    def report(j: int, r) -> None:
+        sc, gen = np.array(r.measured[0], dtype=float), r.measured[1]
         repaired = [int(i) for i in broken if sc[i] > 0.5]
-        out["retrains"][name] = {"excluded": excl, "repaired": len(repaired), "of": len(broken),
-                                 "repaired_items": repaired, "capability": float(sc.mean()),
-                                 "answers": {int(i): gen[i] for i in broken},
-                                 "train_cpu_s": round(c1 - c0, 1), "eval_cpu_s": round(time.process_time() - c1, 1)}
-        print(f"  without {name:9s} ({len(excl):2d} rows): repaired {len(repaired):2d}/{len(broken)} broken items, "
-              f"capability {sc.mean():.3f}; train {c1 - c0:.0f} CPU s", flush=True)
+        excl = list(r.job.exclude)
+        out["retrains"][r.job.name] = {"excluded": excl, "repaired": len(repaired), "of": len(broken),
+                                       "repaired_items": repaired, "capability": float(sc.mean()),
+                                       "answers": {int(i): gen[i] for i in broken},
+                                       "train_cpu_s": round(r.train_cpu_seconds, 1),
+                                       "eval_cpu_s": round(r.measure_cpu_seconds, 1)}
+        print(f"  without {r.job.name:9s} ({len(excl):2d} rows): repaired {len(repaired):2d}/{len(broken)} broken "
+              f"items, capability {sc.mean():.3f}; train {r.train_cpu_seconds:.0f} CPU s", flush=True)
+
+    settings = RetrainSettings(cfg, recipe, user_adapter, progress=False)
+    retrain_many(settings, jobs, lambda job, path: measure_adapter(cfg, path, s), after=report)
     print(json.dumps(out))
 
 

@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     from gradian.setup.batches import collate
     from gradian.pipeline import index_stage
     from gradian.setup.session import open_session
+    from gradian.report.read import load_report
     from gradian.validate.fidelity import correlations as _corr, lds, report_queries as _query_items, scores_with
     from gradian.setup.model import load_base
     from gradian.projection.projector import Projector
@@ -119,8 +120,7 @@ def main(argv=None) -> int:
     if not fid_path.exists():
         sys.exit(f"{fid_path}: run `gradian fidelity {args.config}` first")
     fid = json.loads(fid_path.read_text())
-    report = json.loads((cfg.output_dir / "report.json").read_text())
-    qitems, direction = _query_items(report)
+    qitems, direction = _query_items(load_report(cfg.output_dir))
     recipe, _ = load_recipe(cfg)
     hp = recipe.hp
     E, B, lr, seed = int(hp["epochs"]), int(hp["batch_size"]), float(hp["learning_rate"]), int(recipe.seed)

@@ -188,10 +188,8 @@ def test_verify_refuses_without_recipe_then_accepts_a_user_recipe(attributed_run
 
 
 def test_fidelity_small(attributed_run, tmp_path):
-    import importlib.util
-
     cfg_path = _copy(attributed_run, tmp_path / "run")
-    precs = ["identity"] + (["diagonal"] if importlib.util.find_spec("gradian.precondition") else [])
+    precs = ["identity", "diagonal"]  # the default preconditioner and the plain inner product, on the same retrains
     r = _cli("fidelity", cfg_path, "--loo", "2", "--subsets", "4", *[a for p in precs for a in ("--preconditioner", p)])
     assert r.exit_code == 0, r.output
     f = json.loads((cfg_path.parent / "fidelity.json").read_text())
@@ -206,6 +204,88 @@ def test_fidelity_small(attributed_run, tmp_path):
     assert f["timings"]["retrains"] == 1 + 6 + 4
     assert "fidelity" in r.output
     assert not list(cfg_path.parent.glob(".fidelity-retrains-*"))  # scratch retrains are removed
+
+
+def _spy_on_queries(monkeypatch) -> list[tuple]:
+    """Every call of `queries.query_rows` (what a query loss and its gradient are made of) and
+    `queries.query_vectors` (the query gradients), wherever a gradian module holds them: [(kind, queries, result)]."""
+    import sys
+
+    from gradian.attribution import queries as Q
+
+    calls: list[tuple] = []
+    real_rows, real_vectors = Q.query_rows, Q.query_vectors
+
+    def rows(tokenizer, items, queries, **kw):
+        out = real_rows(tokenizer, items, queries, **kw)
+        calls.append(("rows", list(queries), out))
+        return out
+
+    def vectors(capture, tokenizer, items, queries, **kw):
+        out = real_vectors(capture, tokenizer, items, queries, **kw)
+        calls.append(("vectors", list(queries), out.clone()))
+        return out
+
+    import gradian.pipeline  # noqa: F401  (every stage that builds queries loaded before the search below)
+    import gradian.validate.fidelity  # noqa: F401
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("gradian") and mod is not None:
+            for attr, real, spy in (("query_rows", real_rows, rows), ("query_vectors", real_vectors, vectors)):
+                if getattr(mod, attr, None) is real:
+                    monkeypatch.setattr(mod, attr, spy)
+    return calls
+
+
+def test_fidelity_uses_exactly_the_queries_attribute_used(attributed_run, tmp_path, monkeypatch):
+    """report.json's own-words queries read back with every field (`report.read.queries_from_report`): fidelity's
+    query rows, losses and gradients are the very ones `attribute` scored with. (Reading 6 of the 11 fields lost the
+    target, its side and the decisive span: fidelity then measured another query than the report's.)"""
+    from dataclasses import fields
+
+    from gradian.attribution.queries import QueryItem
+    from gradian.config import load_config
+    from gradian.pipeline import attribute
+    from gradian.report.read import load_report, queries_from_report
+    from gradian.validate.fidelity import run_fidelity
+    from gradian.validate.verify import read_report
+
+    cfg_path = _copy(attributed_run, tmp_path / "run")
+    cfg = load_config(cfg_path)
+    calls = _spy_on_queries(monkeypatch)
+    attribute(cfg, truth=json.loads((cfg_path.parent / "truth.json").read_text()))
+    by_attribute, calls[:] = list(calls), []
+    res = run_fidelity(cfg, loo=0, subsets=0)
+    by_fidelity = list(calls)
+
+    report = load_report(cfg.output_dir)
+    qs = queries_from_report(report)
+    assert read_report(cfg, "verify") == report  # verify reads the same typed report
+    # the scenario's queries are own-words ones: every field that the old reader dropped is set
+    assert qs and all(q.formulation == "own_words" and q.span and q.span_start >= 0 and q.target_source == "base"
+                      and q.target and q.contrast for q in qs)
+    entries = report.query.items
+    for q, e in zip(qs, entries):  # every QueryItem field the entry holds, as it holds it
+        held = e.model_dump(exclude_none=True)
+        for f in fields(QueryItem):
+            if f.name in held:
+                assert getattr(q, f.name) == (tuple(held[f.name]) if f.name == "span" else held[f.name])
+    for kind in ("rows", "vectors"):
+        a = [c for c in by_attribute if c[0] == kind]
+        f = [c for c in by_fidelity if c[0] == kind]
+        assert a and f
+        for _, used, _ in a + f:
+            assert used == qs  # dataclass equality: every field of every query
+    # the rows each query loss is made of (token ids, supervised mask, sign, owner): the losses fidelity measures
+    rows_a = [c[2] for c in by_attribute if c[0] == "rows"]
+    assert all(c[2] == rows_a[0] for c in by_fidelity if c[0] == "rows")
+    # the query gradients fidelity takes (at each adapter state it scores) are attribute's, bit for bit
+    vec_a = [c[2] for c in by_attribute if c[0] == "vectors"]
+    for _, _, v in (c for c in by_fidelity if c[0] == "vectors"):
+        assert any(torch.equal(v, w) for w in vec_a)
+    norms = [np.linalg.norm(w.numpy().astype(np.float64), axis=1) for w in vec_a]
+    assert any(np.array_equal(np.maximum(n, 1e-30), np.asarray(res["query_grad_norms"])) for n in norms)
+    assert res["items"] == [q.item for q in qs]
 
 
 def test_fidelity_refuses_without_report(tmp_path):

@@ -55,7 +55,7 @@ def _recipe(name: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------------ helpers
 def plain_text(row: dict) -> str:
-    """The row's text as `Example.plain_text()` renders it (kept in step with gradian.data)."""
+    """The row's text as `gradian.setup.records.Example.plain_text()` renders it (kept in step with it)."""
     if "messages" in row:
         return "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
     if "prompt" in row:

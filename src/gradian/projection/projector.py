@@ -183,7 +183,7 @@ class Projector:
         if m is None:
             if self.basis is None:
                 raise RuntimeError("data-aware projector used before its basis was fitted or loaded "
-                                   "(gradian.indexing.ensure_basis does both)")
+                                   "(gradian.store.build.ensure_basis does both)")
             src = self.basis.stage1 if stage == "U" else self.basis.stage2
             m = src.get((site.name, side))
             if m is None:

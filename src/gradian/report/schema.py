@@ -103,8 +103,9 @@ class QueryRankingRow(_Model):
     total: float = _absent("The row's total score for this item, present for long (windowed) rows.")
 
 
-class QueryItem(_Model):
-    """A failing eval item the attribution targets, with its query formulation and its own top rows."""
+class QueryEntry(_Model):
+    """A failing eval item the attribution targets, with its query formulation and its own top rows (read back into
+    an `attribution.queries.QueryItem` by `report.read.queries_from_report`)."""
 
     item: int = Field(description="0-based record number in the eval file.")
     prompt: str = Field(description="The question.")
@@ -181,7 +182,7 @@ class Query(_Model):
     formulation: Literal["contrastive", "classic"] = Field(description="`attribution.query`.")
     direction: Literal["regression", "improvement", ""] = _absent(
         "regression (items the fine-tune broke) or improvement (items it fixed); empty for a smoke test.")
-    items: list[QueryItem] = Field(description="The failing items (empty unless attributed).")
+    items: list[QueryEntry] = Field(description="The failing items (empty unless attributed).")
     preconditioner: Preconditioner = _absent("The fitted preconditioner (attributed only).")
     checkpoints: Checkpoints = _absent("Present when scores were averaged over earlier checkpoints.")
     optimizer: OptimizerScores = _absent("Present when the scores are the optimizer-aware ones "

@@ -10,6 +10,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..distributed import current, ordered_sum, run_owned
+
 DEFAULT_MEMORY_BYTES = 1 << 28
 
 
@@ -48,15 +50,11 @@ class RowSource:
         Under torchrun the index's score blocks are dealt out (block j to rank j % N) and gathered: each block is
         the matmul one process does, so every rank gets one process's bits, having read 1/N of the index."""
         if self.index is not None:
-            from ..distributed import current, gather_by_index
-
-            ranks = current()
-            if not ranks.active or self.n == 0:
+            if not current().active or self.n == 0:
                 return self.index.score(dirs, self.row_keys)
             br = self.index.score_block_rows()
             spans = [(a, min(self.n, a + br)) for a in range(0, self.n, br)]
-            got = gather_by_index({j: self.index.score(dirs, self.row_keys[a:b])
-                                   for j, (a, b) in enumerate(spans) if ranks.owns(j)})
+            got = run_owned(len(spans), lambda j: self.index.score(dirs, self.row_keys[spans[j][0]:spans[j][1]]))
             return np.concatenate([got[j] for j in range(len(spans))], axis=-1)
         return np.asarray(dirs, dtype=np.float32) @ np.asarray(self.array, dtype=np.float32).T
 
@@ -64,8 +62,6 @@ class RowSource:
         """start + fn(chunk 0) + fn(chunk 1) + ..., added in chunk order (a statistic over the rows, such as the
         diagonal preconditioner's second moment). Under torchrun chunk c is rank c % N's and the partial results
         are added in chunk order on every rank (`distributed.ordered_sum`): one process's bits."""
-        from ..distributed import current, ordered_sum
-
         ranks = current()
         if not ranks.active:
             acc = start
@@ -79,21 +75,15 @@ class RowSource:
     def row_norms(self, weights: Optional[np.ndarray] = None) -> np.ndarray:
         """float64 [n]: sqrt(sum_j w_j g_ij^2) of every row (w = 1: the Euclidean norm), streamed in chunks. Under
         torchrun chunk c is rank c % N's and the chunks are gathered in order (one process's bits)."""
-        from ..distributed import current, gather_by_index
-
         w = None if weights is None else np.asarray(weights, dtype=np.float64)
 
         def norms(rows: np.ndarray) -> np.ndarray:
             sq = np.square(rows)
             return np.sqrt((sq @ w) if w is not None else sq.sum(1))
 
-        ranks = current()
         spans = self.bounds()
-        if not ranks.active:
-            parts = [norms(self.read(a, b)) for a, b in spans]
-        else:
-            got = gather_by_index({c: norms(self.read(a, b)) for c, (a, b) in enumerate(spans) if ranks.owns(c)})
-            parts = [got[c] for c in range(len(spans))]
+        got = run_owned(len(spans), lambda c: norms(self.read(*spans[c])))
+        parts = [got[c] for c in range(len(spans))]
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def subset(self, positions: Sequence[int]) -> "RowSource":

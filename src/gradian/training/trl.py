@@ -17,20 +17,20 @@ TRL is an optional extra (`pip install 'gradian[trl]'`), imported only here and 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..errors import ConfigError, DataError, ModelError
+from ..errors import ConfigError, ModelError
 from .recipe import Recipe
+# the dataset side lives in trl_dataset; these names stay importable from here (integrations.callback, tests)
+from .trl_dataset import POSITION, ExcludingCollator, tokenized_fingerprint, trl_rows  # noqa: F401
 
 TRL_EXTRA = "pip install 'gradian[trl]'  (TRL >= 1.16)"
 INIT_ADAPTER_FILE = "gradian_init_adapter.safetensors"
-POSITION = "gradian_position"
 
 # The training arguments that decide the weights (recorded by the callback, replayed by this backend).
 TRAINER_ARG_KEYS = (
@@ -63,73 +63,6 @@ def recorded_args(args) -> dict[str, Any]:
         if k.endswith("_token"):  # to_dict masks every *_token field (meant for hub tokens) as "<EOS_TOKEN>"
             out[k] = getattr(args, k, None)
     return out
-
-
-def tokenized_fingerprint(dataset) -> str:
-    """Hash of the token ids and labels of a prepared training set, row by row in dataset order."""
-    h = hashlib.sha256()
-    cols = dataset.column_names
-    ids = dataset["input_ids"]
-    labels = dataset["labels"] if "labels" in cols else [None] * len(ids)
-    for a, b in zip(ids, labels):
-        h.update(json.dumps([list(a), list(b) if b is not None else None]).encode())
-    return h.hexdigest()[:16]
-
-
-# ------------------------------------------------------------------------------------------------ the dataset
-
-
-def trl_rows(examples, tokenizer, loss: str) -> tuple[list[dict], dict[str, Any]]:
-    """The records as TRL reads them (one shape for the whole set), with their positions, and the SFTConfig loss
-    settings that supervise what gradian's attribution does (`loss: supervised`) or every token (`all`)."""
-    from ..setup.tokenize import _has_generation_tags, has_chat_template
-
-    shapes = sorted({e.shape for e in examples})
-    if len(shapes) > 1:
-        raise DataError(f"data.train mixes record shapes ({', '.join(shapes)}); TRL trains one shape per dataset: "
-                        "rewrite the records to one shape, or use train.backend: hf", check="data.invalid_record")
-    shape = shapes[0]
-    rows = [{**e.record, POSITION: e.position} for e in examples]
-    if loss == "all":
-        return rows, {"completion_only_loss": False, "assistant_only_loss": False}
-    if shape in ("prompt_completion", "conversation_completion"):
-        return rows, {"completion_only_loss": True, "assistant_only_loss": False}
-    if shape == "text":
-        return rows, {"completion_only_loss": None, "assistant_only_loss": False}
-    if has_chat_template(tokenizer) and _has_generation_tags(tokenizer):
-        return rows, {"completion_only_loss": None, "assistant_only_loss": True}
-    # No {% generation %} tags: TRL cannot mask assistant turns of a conversation, but a conversation whose only
-    # assistant turn is the last is the same as a prompt-completion record, whose completion TRL supervises.
-    out = []
-    for e, r in zip(examples, rows):
-        msgs = e.record["messages"]
-        if [m["role"] for m in msgs].count("assistant") != 1 or msgs[-1]["role"] != "assistant":
-            raise DataError(f"{e.source or e.id}: the chat template has no {{% generation %}} tags, so TRL cannot "
-                            "supervise assistant turns only of a conversation with an assistant turn before the "
-                            "last; add generation tags to the template, or set train.loss: all",
-                            check="data.no_chat_template")
-        out.append({"prompt": msgs[:-1], "completion": msgs[-1:], POSITION: r[POSITION]})
-    return out, {"completion_only_loss": True, "assistant_only_loss": False}
-
-
-class ExcludingCollator:
-    """Wraps the trainer's collator: strips the row positions and the raw record columns, then sets every label of
-    an excluded row to -100 (its tokens leave the loss and num_items_in_batch; the batch keeps its rows)."""
-
-    KEEP = ("input_ids", "labels", "seq_lengths", "attention_mask", "position_ids")
-
-    def __init__(self, inner, excluded: Iterable[int]):
-        self.inner, self.excluded = inner, set(int(p) for p in excluded)
-
-    def __call__(self, features: list[dict]) -> dict:
-        drop = [int(f.get(POSITION, -1)) in self.excluded for f in features]
-        batch = self.inner([{k: v for k, v in f.items() if k in self.KEEP} for f in features])
-        if any(drop):
-            lab = batch["labels"]
-            for i, d in enumerate(drop):
-                if d:
-                    lab[i] = -100
-        return batch
 
 
 # ------------------------------------------------------------------------------------------------ SFTConfig
@@ -182,30 +115,66 @@ def lora_config_of(hp: dict, recorded: Optional[dict]):
 # ------------------------------------------------------------------------------------------------ the run
 
 
-def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
-              progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
-              save_checkpoints: Optional[bool] = None, init_file: Optional[Path] = None, model_factory=None,
-              backend_name: str = "trl") -> Path:
-    """Train a LoRA adapter through TRL's SFTTrainer on data.train minus `exclude` (removed in place); the same
-    contract as `training.loop.train_adapter` (checkpoints after `checkpoint_epochs` into `checkpoint_dir/epoch-k`,
-    or every earlier epoch inside the output when `save_checkpoints`). `init_file` holds the recorded initial LoRA
-    weights of a callback run (`INIT_ADAPTER_FILE`). `model_factory(cfg, hp, seed) -> (peft model, tokenizer)`
-    replaces the base and LoRA loading (the unsloth backend)."""
-    import torch
+@dataclass(frozen=True)
+class TrlData:
+    """What a TRL run trains on: the recipe's hyperparameters and seed, the epoch it stops after, the model a
+    `model_factory` made (or None), the tokenizer, the rows as TRL reads them with their loss settings, the rows'
+    fingerprint and count, the recorded training arguments (a callback run) and the removed positions."""
 
-    SFTConfig, SFTTrainer = import_trl()
-    from transformers import TrainerCallback
+    hp: dict
+    seed: int
+    stop_epoch: Optional[int]
+    made: Optional[tuple]
+    tokenizer: Any
+    rows: list
+    loss_flags: dict
+    fingerprint: str
+    n_examples: int
+    recorded: Optional[dict]
+    excluded: list[int]
 
-    from ..io import dir_fingerprint
+
+@dataclass(frozen=True)
+class TrlPlan:
+    """The SFTConfig arguments (and those this TRL does not know), the epochs, the checkpoint epochs and where they
+    go, and the scratch folder of the run."""
+
+    kw: dict
+    unknown: list[str]
+    total_epochs: int
+    last_epoch: int
+    save_at: list[int]
+    checkpoint_dir: Optional[Path]
+    staging: Optional[Path]
+    work: Path
+    out_dir: Path
+
+    @property
+    def scheduled(self) -> bool:
+        return self.kw.get("lr_scheduler_type") not in ("constant", "constant_with_warmup")
+
+
+@dataclass(frozen=True)
+class TrlLog:
+    """What the callback records as training goes: rates, loss curve, saved checkpoints, and the run's total steps
+    and tokenized fingerprint (`state`)."""
+
+    rates: list = field(default_factory=list)
+    curve: list = field(default_factory=list)
+    saved: list = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+
+def trl_data(cfg, recipe: Optional[Recipe], exclude: Iterable[int], model_factory) -> TrlData:
+    """Step 1: the recipe's settings, seeded, the model a factory makes, and the rows; ModelError when the recipe
+    was recorded on other data."""
     from ..runtime import seed_everything
-    from ..setup.model import load_base, load_tokenizer
+    from ..setup.model import load_tokenizer
     from ..setup.records import data_location, dataset_fingerprint, load_train
-    from .loop import CHECKPOINTS_SUBDIR, save_adapter, train_hyperparameters
+    from .loop import train_hyperparameters
 
-    t0 = time.time()
     hp = recipe.hp if recipe else train_hyperparameters(cfg)
     seed = int(recipe.seed) if recipe else cfg.seed
-    stop_epoch = recipe.stop_epoch if recipe else None
     seed_everything(seed)
     made = model_factory(cfg, hp, seed) if model_factory is not None else None
     tok = made[1] if made else load_tokenizer(cfg)
@@ -214,23 +183,29 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     if recipe and recipe.dataset_fingerprint not in (None, fp):
         raise ModelError(f"{cfg.data.train}: the training set differs from the one the recipe was recorded on "
                          f"(fingerprint {fp} vs {recipe.dataset_fingerprint}); verify needs the original data")
-    recorded = recipe.trainer_args if recipe else None
     rows, loss_flags = trl_rows(examples, tok, hp.get("loss", "supervised"))
-    excluded = sorted(set(int(p) for p in exclude))
+    return TrlData(hp, seed, recipe.stop_epoch if recipe else None, made, tok, rows, loss_flags, fp, len(examples),
+                   recipe.trainer_args if recipe else None, sorted(set(int(p) for p in exclude)))
 
-    import datasets
+
+def trl_plan(cfg, data: TrlData, base, recipe: Optional[Recipe], out_dir: Optional[Path], *, progress: bool,
+             checkpoint_epochs: Iterable[int], checkpoint_dir: Optional[Path],
+             save_checkpoints: Optional[bool]) -> TrlPlan:
+    """Step 2: the SFTConfig arguments for this TRL and the checkpoints to save, in a fresh scratch folder beside
+    the output."""
+    SFTConfig, _ = import_trl()
+    from .loop import CHECKPOINTS_SUBDIR
 
     out_dir = Path(out_dir) if out_dir else cfg.adapter_out
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.trl-", dir=out_dir.parent))
-    base = made[0] if made else load_base(cfg)
     device = next(base.parameters()).device
-    kw = sft_arguments(hp, seed, recorded, loss_flags, out=work / "trainer", device=device, dtype=cfg.model.dtype,
-                       progress=progress)
-    fields = set(SFTConfig.__dataclass_fields__)
-    unknown = sorted(k for k in kw if k not in fields)
-    kw = {k: v for k, v in kw.items() if k in fields}
-    total_epochs = int(kw.get("num_train_epochs") or hp["epochs"])
+    kw = sft_arguments(data.hp, data.seed, data.recorded, data.loss_flags, out=work / "trainer", device=device,
+                       dtype=cfg.model.dtype, progress=progress)
+    fields_ = set(SFTConfig.__dataclass_fields__)
+    unknown = sorted(k for k in kw if k not in fields_)
+    kw = {k: v for k, v in kw.items() if k in fields_}
+    total_epochs = int(kw.get("num_train_epochs") or data.hp["epochs"])
     save_at = sorted(set(int(k) for k in checkpoint_epochs))
     if save_checkpoints is None:
         save_checkpoints = recipe is None and cfg.train.save_checkpoints
@@ -238,64 +213,80 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     if save_checkpoints and not save_at and total_epochs > 1:
         staging = work / CHECKPOINTS_SUBDIR
         checkpoint_dir, save_at = staging, list(range(1, total_epochs))
-    last_epoch = stop_epoch or total_epochs
-    base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
-    rates: list[float] = []
-    curve: list[list[float]] = []
-    saved: list[dict] = []
-    state_box: dict = {}
-    bar = None
+    return TrlPlan(kw, unknown, total_epochs, data.stop_epoch or total_epochs, save_at, checkpoint_dir, staging, work,
+                   out_dir)
 
-    def record(epoch: int, step: int, tfp: Optional[str]) -> Recipe:
-        scheduled = kw.get("lr_scheduler_type") not in ("constant", "constant_with_warmup")
-        stop = epoch if (scheduled and epoch < total_epochs) else stop_epoch
-        base_rec = recipe.model_dump(mode="json", by_alias=True, exclude_unset=True) if recipe else {}
-        for k in ("stop_epoch", "excluded_positions", "learning_rates", "loss_curve", "checkpoints", "step",
-                  "train_seconds", "removal"):
-            base_rec.pop(k, None)
-        return Recipe.model_validate({
-            **base_rec,
-            "schema": "gradian.recipe/1", "backend": backend_name, "seed": seed,
-            "hyperparameters": {**hp, "epochs": total_epochs if scheduled else epoch},
-            "schedule": f"TRL SFTTrainer, {kw.get('lr_scheduler_type')} learning rate, {kw.get('optim')}",
-            "trainer_args": {k: v for k, v in kw.items() if k in TRAINER_ARG_KEYS} if not recorded else recorded,
-            "data": str(data_location(cfg, cfg.data.train)), "dataset_fingerprint": fp,
-            "n_examples": len(examples), "excluded_positions": excluded,
-            "removal": "labels of removed rows set to -100 in place: other rows keep their batches and steps",
-            "data_order": "the Trainer's RandomSampler after set_seed(seed), over every row",
-            "base": cfg.model.base, "base_fingerprint": base_fp,
-            "tokenized_fingerprint": tfp, "step": step, "total_steps": state_box.get("max_steps"),
-            "learning_rates": list(rates[:step]), "loss_curve": [c for c in curve if c[0] <= step],
-            "checkpoints": [dict(c) for c in saved if c["step"] <= step],
-            **({"stop_epoch": stop} if stop else {}),
-            "train_seconds": round(time.time() - t0, 2),
-        })
+
+def trl_recipe(cfg, data: TrlData, plan: TrlPlan, log: TrlLog, recipe: Optional[Recipe], epoch: int, step: int,
+               tfp: Optional[str], *, backend_name: str, base_fp: str, started: float) -> Recipe:
+    """The recipe of the adapter after `epoch` epochs (`step` steps): how to train it again through TRL."""
+    from ..setup.records import data_location
+
+    kw = plan.kw
+    stop = epoch if (plan.scheduled and epoch < plan.total_epochs) else data.stop_epoch
+    base_rec = recipe.model_dump(mode="json", by_alias=True, exclude_unset=True) if recipe else {}
+    for k in ("stop_epoch", "excluded_positions", "learning_rates", "loss_curve", "checkpoints", "step",
+              "train_seconds", "removal"):
+        base_rec.pop(k, None)
+    return Recipe.model_validate({
+        **base_rec,
+        "schema": "gradian.recipe/1", "backend": backend_name, "seed": data.seed,
+        "hyperparameters": {**data.hp, "epochs": plan.total_epochs if plan.scheduled else epoch},
+        "schedule": f"TRL SFTTrainer, {kw.get('lr_scheduler_type')} learning rate, {kw.get('optim')}",
+        "trainer_args": ({k: v for k, v in kw.items() if k in TRAINER_ARG_KEYS} if not data.recorded
+                         else data.recorded),
+        "data": str(data_location(cfg, cfg.data.train)), "dataset_fingerprint": data.fingerprint,
+        "n_examples": data.n_examples, "excluded_positions": data.excluded,
+        "removal": "labels of removed rows set to -100 in place: other rows keep their batches and steps",
+        "data_order": "the Trainer's RandomSampler after set_seed(seed), over every row",
+        "base": cfg.model.base, "base_fingerprint": base_fp,
+        "tokenized_fingerprint": tfp, "step": step, "total_steps": log.state.get("max_steps"),
+        "learning_rates": list(log.rates[:step]), "loss_curve": [c for c in log.curve if c[0] <= step],
+        "checkpoints": [dict(c) for c in log.saved if c["step"] <= step],
+        **({"stop_epoch": stop} if stop else {}),
+        "train_seconds": round(time.time() - started, 2),
+    })
+
+
+def _record_callback(plan: TrlPlan, log: TrlLog, stop_epoch: Optional[int], record):
+    """The TrainerCallback that records rates, losses and steps, advances gradian's bar (`log.state["bar"]`),
+    saves the checkpoint epochs and stops a checkpoint replay after its epoch."""
+    from transformers import TrainerCallback
+
+    from .loop import save_adapter
 
     class _Record(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            state_box["max_steps"] = state.max_steps
+            log.state["max_steps"] = state.max_steps
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            rates.append(float(kwargs["lr_scheduler"].get_last_lr()[0]))
+            log.rates.append(float(kwargs["lr_scheduler"].get_last_lr()[0]))
 
         def on_step_end(self, args, state, control, **kwargs):
-            if bar is not None:
-                bar.advance()
+            if log.state.get("bar") is not None:
+                log.state["bar"].advance()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
-                curve.append([float(state.global_step), float(logs["loss"])])
+                log.curve.append([float(state.global_step), float(logs["loss"])])
 
         def on_epoch_end(self, args, state, control, **kwargs):
             e = int(round(state.epoch or 0))
-            if e in save_at and e < last_epoch:
-                saved.append({"name": f"epoch-{e}", "epoch": e, "step": state.global_step,
-                              "learning_rate": rates[-1] if rates else None})
-                save_adapter(kwargs["model"], Path(checkpoint_dir) / f"epoch-{e}",
-                             record(e, state.global_step, state_box.get("tfp")))
+            if e in plan.save_at and e < plan.last_epoch:
+                log.saved.append({"name": f"epoch-{e}", "epoch": e, "step": state.global_step,
+                                  "learning_rate": log.rates[-1] if log.rates else None})
+                save_adapter(kwargs["model"], Path(plan.checkpoint_dir) / f"epoch-{e}",
+                             record(e, state.global_step, log.state.get("tfp")))
             if stop_epoch and e >= stop_epoch:
                 control.should_training_stop = True
             return control
+
+    return _Record()
+
+
+def _skipping_trainer(SFTTrainer, excluded: list[int]):
+    """SFTTrainer whose optimizer makes no update on a step whose rows are all removed (AdamW would otherwise move
+    on its momentum); the schedule steps on."""
 
     class _Trainer(SFTTrainer):
         def create_optimizer(self, model=None):
@@ -311,62 +302,118 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
             opt.step = step
             return opt
 
+    return _Trainer
+
+
+def _initial_model(base, hp: dict, recipe: Optional[Recipe], init_file: Optional[Path], made):
+    """(model, peft_config for TRL to wrap it with): the base for TRL to wrap (seeded by TRL), or the base with the
+    LoRA weights a callback recorded before the first step, or a factory's model as it is."""
     peft_config = lora_config_of(hp, recipe.lora_config if recipe else None)
-    model, pass_config = base, (None if made else peft_config)
     if init_file is not None and init_file.exists() and not made:
         from peft import get_peft_model, set_peft_model_state_dict
         from safetensors.torch import load_file
 
         model = get_peft_model(base, peft_config)
         set_peft_model_state_dict(model, load_file(str(init_file)))
-        pass_config = None
+        return model, None
+    return base, (None if made else peft_config)
+
+
+def trl_trainer(cfg, data: TrlData, plan: TrlPlan, model, peft_config, callback, recipe: Optional[Recipe], quiet):
+    """Step 3: the SFTTrainer over every row (removed ones masked by the collator), gradian's bar instead of its
+    printers; ModelError when TRL tokenized other data than the recorded run."""
+    import datasets
+
+    SFTConfig, SFTTrainer = import_trl()
+    with quiet, _trl_errors("setting up"):
+        args = SFTConfig(**plan.kw)
+        trainer = _skipping_trainer(SFTTrainer, data.excluded)(
+            model=model, args=args, train_dataset=datasets.Dataset.from_list(data.rows),
+            processing_class=data.tokenizer, peft_config=peft_config, callbacks=[callback])
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for cb in (PrinterCallback, ProgressCallback):  # gradian's own bar instead of per-step log prints
+        trainer.remove_callback(cb)
+    trainer.data_collator = ExcludingCollator(trainer.data_collator, data.excluded)
+    tfp = tokenized_fingerprint(trainer.train_dataset)
+    if recipe and recipe.tokenized_fingerprint and recipe.tokenized_fingerprint != tfp:
+        raise ModelError(
+            f"{cfg.data.train}: TRL's tokenized training set (fingerprint {tfp}) differs from the one the "
+            f"recorded run iterated ({recipe.tokenized_fingerprint}): another data file, order, tokenizer or "
+            "max_length. verify needs the original data and tokenizer; for a run TRL cannot reproduce, set "
+            "train.command to the script that trained it")
+    return trainer, tfp
+
+
+def _steps_to_run(trainer, stop_epoch: Optional[int]) -> int:
+    """The optimizer steps this run takes (for the bar)."""
+    import math
+
+    args = trainer.args
+    if args.max_steps and args.max_steps > 0:
+        return int(args.max_steps)
+    per_epoch = math.ceil(math.ceil(len(trainer.train_dataset) / args.per_device_train_batch_size)
+                          / args.gradient_accumulation_steps)
+    return per_epoch * int(math.ceil((stop_epoch or args.num_train_epochs)))
+
+
+def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = None, recipe: Optional[Recipe] = None,
+              progress: bool = True, checkpoint_epochs: Iterable[int] = (), checkpoint_dir: Optional[Path] = None,
+              save_checkpoints: Optional[bool] = None, init_file: Optional[Path] = None, model_factory=None,
+              backend_name: str = "trl") -> Path:
+    """Train a LoRA adapter through TRL's SFTTrainer on data.train minus `exclude` (removed in place); the same
+    contract as `training.loop.train_adapter` (checkpoints after `checkpoint_epochs` into `checkpoint_dir/epoch-k`,
+    or every earlier epoch inside the output when `save_checkpoints`). `init_file` holds the recorded initial LoRA
+    weights of a callback run (`INIT_ADAPTER_FILE`). `model_factory(cfg, hp, seed) -> (peft model, tokenizer)`
+    replaces the base and LoRA loading (the unsloth backend)."""
+    import torch
+
+    import_trl()
+    from ..io import dir_fingerprint
+    from ..progress import progress_bar
+    from ..setup.model import load_base
+    from .loop import save_adapter
+
+    t0 = time.time()
+    data = trl_data(cfg, recipe, exclude, model_factory)
+    base = data.made[0] if data.made else load_base(cfg)
+    plan = trl_plan(cfg, data, base, recipe, out_dir, progress=progress, checkpoint_epochs=checkpoint_epochs,
+                    checkpoint_dir=checkpoint_dir, save_checkpoints=save_checkpoints)
+    base_fp = dir_fingerprint(cfg.local_or_hub(cfg.model.base))
+    log = TrlLog()
+
+    def record(epoch: int, step: int, tfp: Optional[str]) -> Recipe:
+        return trl_recipe(cfg, data, plan, log, recipe, epoch, step, tfp, backend_name=backend_name, base_fp=base_fp,
+                          started=t0)
+
+    model, peft_config = _initial_model(base, data.hp, recipe, init_file, data.made)
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     quiet = _Quiet()
     try:
-        with quiet, _trl_errors("setting up"):
-            args = SFTConfig(**kw)
-            trainer = _Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                               processing_class=tok, peft_config=pass_config, callbacks=[_Record()])
-        from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-        for cb in (PrinterCallback, ProgressCallback):  # gradian's own bar instead of per-step log prints
-            trainer.remove_callback(cb)
-        trainer.data_collator = ExcludingCollator(trainer.data_collator, excluded)
-        tfp = tokenized_fingerprint(trainer.train_dataset)
-        state_box["tfp"] = tfp
-        if recipe and recipe.tokenized_fingerprint and recipe.tokenized_fingerprint != tfp:
-            raise ModelError(
-                f"{cfg.data.train}: TRL's tokenized training set (fingerprint {tfp}) differs from the one the "
-                f"recorded run iterated ({recipe.tokenized_fingerprint}): another data file, order, tokenizer or "
-                "max_length. verify needs the original data and tokenizer; for a run TRL cannot reproduce, set "
-                "train.command to the script that trained it")
-        from ..progress import progress_bar
-
-        n = int(trainer.args.max_steps) if trainer.args.max_steps and trainer.args.max_steps > 0 else None
-        if n is None:
-            import math
-            per_epoch = math.ceil(math.ceil(len(trainer.train_dataset) / args.per_device_train_batch_size)
-                                  / args.gradient_accumulation_steps)
-            n = per_epoch * int(math.ceil((stop_epoch or args.num_train_epochs)))
+        trainer, tfp = trl_trainer(cfg, data, plan, model, peft_config,
+                                   _record_callback(plan, log, data.stop_epoch, record), recipe, quiet)
+        log.state["tfp"] = tfp
+        n = _steps_to_run(trainer, data.stop_epoch)
         with progress_bar(f"train ({backend_name})", total=n if progress else 0, unit="steps") as b, quiet, \
                 _trl_errors("training"):
-            bar = b
+            log.state["bar"] = b
             trainer.train()
         final = trainer.model
         final.eval()
         step = trainer.state.global_step
-        save_adapter(final, out_dir, record(last_epoch, step, tfp), checkpoints=staging)
-        if save_at and save_at[-1] == last_epoch and staging is None:
-            save_adapter(final, Path(checkpoint_dir) / f"epoch-{last_epoch}", record(last_epoch, step, tfp))
+        save_adapter(final, plan.out_dir, record(plan.last_epoch, step, tfp), checkpoints=plan.staging)
+        if plan.save_at and plan.save_at[-1] == plan.last_epoch and plan.staging is None:
+            save_adapter(final, Path(plan.checkpoint_dir) / f"epoch-{plan.last_epoch}",
+                         record(plan.last_epoch, step, tfp))
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
-        shutil.rmtree(work, ignore_errors=True)
-    if unknown:
+        shutil.rmtree(plan.work, ignore_errors=True)
+    if plan.unknown:
         import logging
 
         logging.getLogger("gradian").warning("recorded training arguments not in this TRL's SFTConfig, ignored: %s",
-                                             ", ".join(unknown))
-    return out_dir
+                                             ", ".join(plan.unknown))
+    return plan.out_dir
 
 
 class _trl_errors:

@@ -1,7 +1,7 @@
 """`gradian fidelity`: do the attribution scores predict what retraining actually does?
 
 Two measurements, both on deterministic retrains with the adapter's recipe (rows removed by zero-weighting in
-place, so the only difference between two retrains is the removed rows; see :mod:`gradian.verify`):
+place, so the only difference between two retrains is the removed rows; see :mod:`gradian.validate.verify`):
 
 * **Leave-one-out (LOO)** on the top ``--loo`` rows by score, the bottom ``--loo`` and ``--loo`` random others
   (seeded). Predicted change of a row = its attribution score (the per-item scores averaged over the failing
@@ -36,6 +36,7 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -47,7 +48,9 @@ from ..config import Config
 from ..errors import VerifyError
 from .. import distributed as dist_
 from ..io import atomic_write_text
-from .retrain import adapters_equal, retrain, retrain_recipe
+from ..report.read import queries_from_report
+from ..report.schema import Report
+from .retrain import RetrainJob, RetrainSettings, adapters_equal, retrain_many, retrain_recipe
 from .verify import read_report
 
 SCHEMA = "gradian.fidelity/1"
@@ -63,14 +66,13 @@ def correlations(x: Sequence[float], y: Sequence[float]) -> dict:
     return {"pearson": float(pearsonr(x, y)[0]), "spearman": float(spearmanr(x, y)[0]), "n": int(x.size)}
 
 
-def report_queries(report: dict) -> tuple[list[QueryItem], str]:
-    """The failing items of a report as queries, and its direction."""
-    q = report.get("query") or {}
-    items = [QueryItem(int(it["item"]), it["prompt"], it["expected"], it["generated"], it.get("base_generated", ""),
-                       it.get("formulation") or q.get("formulation", "contrastive")) for it in q.get("items") or []]
+def report_queries(report: Report) -> tuple[list[QueryItem], str]:
+    """The failing items' queries exactly as `attribute` built them (`report.read.queries_from_report`: every
+    field, the own-words target, contrast and span included), and the report's direction."""
+    items = queries_from_report(report)
     if not items:
         raise VerifyError("report.json lists no failing items in query.items; rerun `gradian attribute CONFIG`")
-    return items, q.get("direction") or "regression"
+    return items, report.query.direction or "regression"
 
 
 def query_losses(model, s, qitems) -> np.ndarray:
@@ -186,34 +188,64 @@ def truth_oracle(cfg: Config, items: list[int], subsets: list[list[int]], actual
     return float(np.mean(vals)) if vals else None
 
 
-def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float = 0.05,
-                 preconditioners: Optional[list[str]] = None, console=None) -> dict:
-    from transformers.utils import logging as hf_logging
+@dataclass(frozen=True)
+class Predictions:
+    """What the scores predict, before any retrain: per-item scores [Q, N] by method (each preconditioner, and the
+    optimizer-aware scores when recorded), the query gradients' norms [Q] and the query losses under the user's
+    adapter [Q]."""
 
-    from ..attribution.engine import ModelGradients, ScoringSettings
-    from ..config import AttributionConfig
-    from ..pipeline import index_stage
-    from ..progress import progress_bar
-    from ..setup.model import load_model
-    from ..setup.session import open_session
+    per_item: dict[str, np.ndarray]
+    qnorm: np.ndarray
+    user_losses: np.ndarray
 
-    t_all = time.time()
-    report = read_report(cfg, "check")
-    recipe, recipe_path = retrain_recipe(cfg)
-    user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
-    precs = preconditioners or [cfg.attribution.preconditioner]
+    def aggregate(self) -> dict[str, np.ndarray]:
+        """Each method's row scores [N]: the per-item scores averaged over the items, as report.json ranks them."""
+        return {p: v.mean(axis=0) for p, v in self.per_item.items()}
+
+
+@dataclass(frozen=True)
+class FidelityPlan:
+    """The retrains: the LOO rows (position, group), the LDS subsets and their size, and every job in order (the
+    reference first)."""
+
+    rows: list[tuple[int, str]]
+    subsets: list[list[int]]
+    subset_size: int
+    jobs: list[RetrainJob]
+
+
+@dataclass(frozen=True)
+class RetrainLosses:
+    """The query losses [Q] of every retrain by job name, whether the reference retrain reproduced the adapter bit
+    for bit, and the seconds spent training and measuring (summed over retrains)."""
+
+    losses: dict[str, np.ndarray]
+    reference_equal: Optional[bool]
+    train_seconds: float
+    measure_seconds: float
+
+
+def checked_preconditioners(cfg: Config, preconditioners: Optional[list[str]]) -> list[str]:
+    """The preconditioners to compare (the config's when none is given); VerifyError naming an unknown one."""
     import typing
 
+    from ..config import AttributionConfig
+
+    precs = preconditioners or [cfg.attribution.preconditioner]
     known = typing.get_args(AttributionConfig.model_fields["preconditioner"].annotation)
     for p in precs:
         if p not in known:
             raise VerifyError(f"--preconditioner {p}: unknown; one of {', '.join(known)}")
-    say = console.print if console is not None else (lambda *a, **kw: None)
+    return precs
 
-    s = open_session(cfg)
-    qitems, direction = report_queries(report)
-    sign = direction_sign(direction)
-    n = len(s.examples)
+
+def predictions(s, qitems: list[QueryItem], direction: str, precs: list[str]) -> Predictions:
+    """Step 1: the scores of every method on the session's index, the query gradients' norms and the query losses
+    under the user's adapter; the session's model is freed after (each retrain is loaded on its own)."""
+    from ..attribution.engine import ModelGradients, ScoringSettings
+    from ..pipeline import index_stage
+
+    cfg = s.cfg
     ix = index_stage(s)
     try:
         per_item = {p: scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction, preconditioner=p))
@@ -229,53 +261,63 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
     finally:
         ix.close()
     qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
-    l_user = query_losses(s.model, s, qitems)
+    user_losses = query_losses(s.model, s, qitems)
     s.model = None  # free it: each retrain is loaded on its own
+    return Predictions(per_item, qnorm, user_losses)
 
-    primary = precs[0]
-    agg = {p: v.mean(axis=0) for p, v in per_item.items()}
-    rows = loo_rows(agg[primary], loo, cfg.seed) if loo > 0 else []
+
+def fidelity_plan(primary_scores: np.ndarray, n: int, work: Path, *, loo: int, subsets: int, frac: float,
+                  seed: int) -> FidelityPlan:
+    """Step 2: which rows are left out, one at a time (top, bottom, random by the primary method's scores) and in
+    seeded subsets of `frac` of the rows; each retrain writes its adapter under `work`."""
+    rows = loo_rows(primary_scores, loo, seed) if loo > 0 else []
     m = max(1, int(round(frac * n)))
-    subs = lds_subsets(n, m, subsets, cfg.seed) if subsets > 0 else []
-    jobs = [("reference", [])] + [(f"loo-{p}", [p]) for p, _ in rows] + [(f"lds-{j}", S) for j, S in enumerate(subs)]
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".fidelity-retrains-", dir=cfg.output_dir))
-    say(f"fidelity: {len(jobs)} deterministic retrains (1 reference, {len(rows)} leave-one-out, {len(subs)} "
-        f"leave-{m}-out)")
-    losses: dict[str, np.ndarray] = {}
-    ref_equal = None
-    t_train = t_meas = 0.0
+    subs = lds_subsets(n, m, subsets, seed) if subsets > 0 else []
+    named = [("reference", [])] + [(f"loo-{p}", [p]) for p, _ in rows] + [(f"lds-{j}", S) for j, S in enumerate(subs)]
+    return FidelityPlan(rows, subs, m, [RetrainJob(name, tuple(excl), work / name) for name, excl in named])
+
+
+def retrain_losses(cfg: Config, s, qitems: list[QueryItem], plan: FidelityPlan, recipe,
+                   user_adapter: Path) -> RetrainLosses:
+    """Step 3: every retrain's query losses (`retrain_many`), one progress bar for the loop; each retrained adapter
+    is deleted once measured."""
+    from transformers.utils import logging as hf_logging
+
+    from ..progress import progress_bar
+    from ..setup.model import load_model
+
+    def measure(job: RetrainJob, path: Path) -> tuple[np.ndarray, Optional[bool]]:
+        same = adapters_equal(path, user_adapter) if job.name == "reference" else None
+        model = load_model(cfg, str(path))
+        try:
+            return query_losses(model, s, qitems), same
+        finally:
+            del model
+            shutil.rmtree(path, ignore_errors=True)
+
+    settings = RetrainSettings(cfg, recipe, user_adapter, progress=False,
+                               log_path=cfg.output_dir / "fidelity.train.log" if cfg.train.command else None)
     hf_bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one bar for the whole loop, not a weight-loading bar per retrain
-    with _restore_hf_bars(hf_bars), _removed_after(work), \
-            progress_bar("fidelity retrains", total=len(jobs), unit="retrains", split=True) as bar:
-        ranks = dist_.current()
-        done: dict[int, tuple] = {}
-        for j, (name, excl) in enumerate(jobs):
-            if not ranks.owns(j):  # under torchrun retrain j is rank j % N's, one retrain per rank at a time
-                continue
-            with dist_.alone():
-                t0 = time.time()
-                path = retrain(cfg, recipe, excl, work / "adapter", user_adapter, progress=False,
-                               log_path=cfg.output_dir / "fidelity.train.log" if cfg.train.command else None,
-                               label=name)
-                t1 = time.time()
-                same = adapters_equal(path, user_adapter) if name == "reference" else None
-                model = load_model(cfg, str(path))
-                done[j] = (query_losses(model, s, qitems), same, t1 - t0, time.time() - t1)
-                del model
-            bar.advance()
-        for j, (loss, same, tt, tm) in sorted(dist_.gather_by_index(done).items()):
-            losses[jobs[j][0]] = loss
-            if jobs[j][0] == "reference":
-                ref_equal = same
-            t_train += tt
-            t_meas += tm
+    with _restore_hf_bars(hf_bars), \
+            progress_bar("fidelity retrains", total=len(plan.jobs), unit="retrains", split=True) as bar:
+        done = retrain_many(settings, plan.jobs, measure, after=lambda j, r: bar.advance())
+    return RetrainLosses({r.job.name: r.measured[0] for r in done},
+                         next(r.measured[1] for r in done if r.job.name == "reference"),
+                         sum(r.train_seconds for r in done), sum(r.measure_seconds for r in done))
 
-    ref = losses["reference"]
+
+def fidelity_result(cfg: Config, qitems: list[QueryItem], direction: str, precs: list[str], pred: Predictions,
+                    plan: FidelityPlan, got: RetrainLosses, *, n: int, loo: int, frac: float, recipe_path: str,
+                    started: float) -> dict:
+    """Step 4: fidelity.json: predicted against actual changes, LOO correlations and LDS by method."""
+    sign = direction_sign(direction)
+    ref = got.losses["reference"]
+    primary = precs[0]
+    agg = pred.aggregate()
 
     def actual(name: str) -> np.ndarray:  # [Q]
-        return sign * (ref - losses[name]) / qnorm
+        return sign * (ref - got.losses[name]) / pred.qnorm
 
     res: dict = {
         "schema": SCHEMA,
@@ -286,20 +328,18 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
         "n_rows": n,
         "n_items": len(qitems),
         "preconditioners": precs,
-        "methods": list(per_item),
-        "reference": {"reproduced_bit_for_bit": bool(ref_equal),
-                      "max_abs_query_loss_gap": float(np.max(np.abs(ref - l_user))) if len(ref) else 0.0},
-        "recipe": str(recipe_path),
+        "methods": list(pred.per_item),
+        "reference": {"reproduced_bit_for_bit": bool(got.reference_equal),
+                      "max_abs_query_loss_gap": float(np.max(np.abs(ref - pred.user_losses))) if len(ref) else 0.0},
+        "recipe": recipe_path,
         "items": [q.item for q in qitems],
-        "query_grad_norms": [float(x) for x in qnorm],
+        "query_grad_norms": [float(x) for x in pred.qnorm],
         "reference_query_losses": [float(x) for x in ref],
     }
+    rows = plan.rows
     if rows:
         act = np.array([actual(f"loo-{p}").mean() for p, _ in rows])
-        by = {}
-        for p in per_item:
-            pred = np.array([agg[p][z] for z, _ in rows])
-            by[p] = correlations(pred, act)
+        by = {p: correlations(np.array([agg[p][z] for z, _ in rows]), act) for p in pred.per_item}
         res["loo"] = {
             "rows_per_group": loo, "n": len(rows), "pearson": by[primary]["pearson"],
             "spearman": by[primary]["spearman"], "by_preconditioner": by,
@@ -307,15 +347,43 @@ def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float =
                       "actual_items": [round(float(x), 8) for x in actual(f"loo-{z}")]}
                      for (z, g), a in zip(rows, act)],
         }
+    subs = plan.subsets
     if subs:
         A = np.stack([actual(f"lds-{j}") for j in range(len(subs))])  # [J, Q]
-        by = {p: lds(per_item[p], subs, A) for p in per_item}
+        by = {p: lds(pred.per_item[p], subs, A) for p in pred.per_item}
         oracle = truth_oracle(cfg, [q.item for q in qitems], subs, A)
-        res["lds"] = {"subsets": len(subs), "subset_size": m, "fraction": frac, "lds": by[primary]["lds"],
-                      "by_preconditioner": by, "truth_oracle": oracle, "removed": subs,
+        res["lds"] = {"subsets": len(subs), "subset_size": plan.subset_size, "fraction": frac,
+                      "lds": by[primary]["lds"], "by_preconditioner": by, "truth_oracle": oracle, "removed": subs,
                       "actual": [[round(float(x), 8) for x in row] for row in A]}
-    res["timings"] = {"retrain": round(t_train, 2), "measure": round(t_meas, 2), "retrains": len(jobs),
-                      "total": round(time.time() - t_all, 2)}
+    res["timings"] = {"retrain": round(got.train_seconds, 2), "measure": round(got.measure_seconds, 2),
+                      "retrains": len(plan.jobs), "total": round(time.time() - started, 2)}
+    return res
+
+
+def run_fidelity(cfg: Config, *, loo: int = 20, subsets: int = 50, frac: float = 0.05,
+                 preconditioners: Optional[list[str]] = None, console=None) -> dict:
+    """LOO and LDS retrains against the scores' predictions; writes OUT/fidelity.json and OUT/report.html."""
+    from ..setup.session import open_session
+
+    t_all = time.time()
+    report = read_report(cfg, "check")
+    recipe, recipe_path = retrain_recipe(cfg)
+    user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
+    precs = checked_preconditioners(cfg, preconditioners)
+    say = console.print if console is not None else (lambda *a, **kw: None)
+    s = open_session(cfg)
+    qitems, direction = report_queries(report)
+    n = len(s.examples)
+    pred = predictions(s, qitems, direction, precs)
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".fidelity-retrains-", dir=cfg.output_dir))
+    with _removed_after(work):
+        plan = fidelity_plan(pred.aggregate()[precs[0]], n, work, loo=loo, subsets=subsets, frac=frac, seed=cfg.seed)
+        say(f"fidelity: {len(plan.jobs)} deterministic retrains (1 reference, {len(plan.rows)} leave-one-out, "
+            f"{len(plan.subsets)} leave-{plan.subset_size}-out)")
+        got = retrain_losses(cfg, s, qitems, plan, recipe, user_adapter)
+    res = fidelity_result(cfg, qitems, direction, precs, pred, plan, got, n=n, loo=loo, frac=frac,
+                          recipe_path=str(recipe_path), started=t_all)
     if dist_.current().is_main:
         atomic_write_text(cfg.output_dir / "fidelity.json", json.dumps(res, indent=2))
         from .verify import rewrite_html

@@ -3,16 +3,25 @@
 Removal is in place for gradian's loop (zero-weighted, `training.loop.train_adapter`) and TRL (labels -100,
 `training.trl`): the data order does not depend on what is removed, so every remaining row keeps its batch and its
 step. A `train.command` gets the kept rows as a file and orders them itself.
+
+`retrain_many` is the one loop over retrains (verify's reference, accused and controls; fidelity's reference, LOO
+and LDS subsets; bench/counterfactual.py): under torchrun retrain j is rank j % N's (`distributed.run_owned`), run
+by that rank alone, and every rank gets every result in job order, so N processes give one process's answer.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Generic, Optional, Sequence, TypeVar
 
+from .. import distributed as dist_
 from ..config import Config
 from ..errors import VerifyError
 from ..training.recipe import Recipe
+
+M = TypeVar("M")
 
 
 def adapters_equal(a: Path, b: Path) -> bool:
@@ -79,3 +88,69 @@ def measure_adapter(cfg: Config, adapter: Path, s) -> tuple[list[float], list[st
                            desc="retrained answers", one_line=s.one_line)
     finally:
         del model
+
+
+# ------------------------------------------------------------------------------------------------ many retrains
+
+
+@dataclass(frozen=True)
+class RetrainJob:
+    """One retrain: its name (the label in logs and results), the rows it removes, and where its adapter goes."""
+
+    name: str
+    exclude: tuple[int, ...]
+    out_dir: Path
+
+
+@dataclass(frozen=True)
+class RetrainSettings:
+    """What every retrain of a run shares: the config, the recipe it replays and the user's adapter (never written
+    into), whether each retrain shows its own training bar, and the log a `train.command` appends to."""
+
+    cfg: Config
+    recipe: Optional[Recipe]
+    user_adapter: Path
+    progress: bool = True
+    log_path: Optional[Path] = None
+
+
+@dataclass(frozen=True)
+class Retrained(Generic[M]):
+    """A finished retrain: its job, the adapter it wrote, what `measure` returned for it, and its seconds (wall
+    clock and this process's CPU) of training and of measuring."""
+
+    job: RetrainJob
+    path: Path
+    measured: M
+    train_seconds: float
+    measure_seconds: float
+    train_cpu_seconds: float
+    measure_cpu_seconds: float
+
+
+def retrain_many(settings: RetrainSettings, jobs: Sequence[RetrainJob], measure: Callable[[RetrainJob, Path], M], *,
+                 before: Optional[Callable[[int, RetrainJob], None]] = None,
+                 after: Optional[Callable[[int, Retrained[M]], None]] = None) -> list[Retrained[M]]:
+    """Every job retrained (`retrain`) and measured (`measure(job, adapter dir)`, right after its retrain, on the
+    rank that trained it), in job order. `before(j, job)` and `after(j, retrained)` run on the owning rank around
+    each job (progress lines, bars). Under torchrun job j is rank j % N's, one retrain per rank at a time, and the results
+    are gathered on every rank (`distributed.run_owned`): what `measure` returns must pickle."""
+
+    def one(j: int) -> Retrained[M]:
+        job = jobs[j]
+        if before is not None:
+            before(j, job)
+        with dist_.alone():
+            w0, c0 = time.time(), time.process_time()
+            path = retrain(settings.cfg, settings.recipe, job.exclude, job.out_dir, settings.user_adapter,
+                           progress=settings.progress, log_path=settings.log_path, label=job.name)
+            w1, c1 = time.time(), time.process_time()
+            measured = measure(job, path)
+            w2, c2 = time.time(), time.process_time()
+        done = Retrained(job, path, measured, w1 - w0, w2 - w1, c1 - c0, c2 - c1)
+        if after is not None:
+            after(j, done)
+        return done
+
+    every = dist_.run_owned(len(jobs), one)
+    return [every[j] for j in range(len(jobs))]

@@ -12,7 +12,7 @@ What it does, in order:
 3. Re-measures the capability of each retrain on the same eval items with the same generation settings, and
    reports its value, the share of the fine-tune's change it reverted and paired bootstrap intervals.
 
-Removal is by zero-weighting in place (see :func:`gradian.train.train_adapter`): the data order is a function of
+Removal is by zero-weighting in place (see :func:`gradian.training.loop.train_adapter`): the data order is a function of
 (n, epochs, batch size, seed) only, so every remaining row keeps its batch and its step; a dropped row contributes
 nothing to its batch's loss, whose token-weighted mean is over the remaining rows' supervised tokens. A batch left
 with no rows skips its optimizer step. Nothing else changes between the original fine-tune and a retrain.
@@ -44,8 +44,9 @@ import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -54,8 +55,12 @@ from ..config import Config
 from ..errors import VerifyError
 from .. import distributed as dist_
 from ..io import atomic_write_text
+from ..report.read import REPORT_FILE, load_report
+from ..report.schema import Report
 from ..training.backends import backend_for
-from .retrain import adapters_equal, measure_adapter, removal_text, retrain, retrain_recipe
+from ..training.recipe import Recipe
+from .retrain import (RetrainJob, RetrainSettings, Retrained, adapters_equal, measure_adapter, removal_text,
+                      retrain_many, retrain_recipe)
 
 SCHEMA = "gradian.verify/1"
 RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_excludes_zero": True}
@@ -64,29 +69,26 @@ RULE = {"min_reverted": 0.5, "min_margin_over_controls": 0.25, "interval_exclude
 # ------------------------------------------------------------------------------------------ inputs
 
 
-def read_report(cfg: Config, verb: str = "verify") -> dict:
-    path = cfg.output_dir / "report.json"
+def read_report(cfg: Config, verb: str = "verify") -> Report:
+    """OUT/report.json, typed (`report.read.load_report`), when it attributed rows; VerifyError saying why not."""
+    path = cfg.output_dir / REPORT_FILE
     if not path.exists():
         raise VerifyError(f"{path}: no report to {verb}; run `gradian attribute CONFIG` first")
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot be read as JSON ({e})") from None
-    verdict = report.get("verdict")
+    report = load_report(cfg.output_dir)
+    verdict = report.verdict
     if verdict != "attributed":
         why = {"declined": "the fine-tune did not move the capability measurably, so no rows were accused",
                "smoke_test": "there is no eval set, so the ranking is a smoke test, not an accusation"}.get(
                    verdict, f"the verdict is {verdict!r}")
         raise VerifyError(f"{path}: verdict is '{verdict}', not 'attributed': {why}; there is nothing to {verb}")
-    if not report.get("ranking"):
+    if not report.ranking:
         raise VerifyError(f"{path}: the report ranks no training rows; rerun `gradian attribute CONFIG`")
     return report
 
 
-def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
-    acc = report.get("accused") or {}
-    if int(acc.get("count") or 0) > 0:
-        return int(acc["count"]), "the accused set (report.json accused: rows that stand out from the null)"
+def default_top_k(cfg: Config, report: Report, n_rows: int) -> tuple[int, str]:
+    if report.accused is not None and report.accused.count > 0:
+        return report.accused.count, "the accused set (report.json accused: rows that stand out from the null)"
     truth = _truth(cfg, report)
     if truth and truth.get("planted"):
         return len(truth["planted"]), "the number of planted rows (truth.json)"
@@ -94,19 +96,19 @@ def default_top_k(cfg: Config, report: dict, n_rows: int) -> tuple[int, str]:
     return k, "min(attribution.top_k, 5% of the rows)"
 
 
-def _truth(cfg: Config, report: dict) -> Optional[dict]:
+def _truth(cfg: Config, report: Report) -> Optional[dict]:
     f = cfg.output_dir / "truth.json"
     if f.exists():
         try:
             return json.loads(f.read_text())
         except ValueError:
             return None
-    return report.get("truth")
+    return report.truth.model_dump(mode="json", exclude_unset=True) if report.truth is not None else None
 
 
-def accused_positions(report: dict, scores: Optional[np.ndarray], k: int) -> list[int]:
+def accused_positions(report: Report, scores: Optional[np.ndarray], k: int) -> list[int]:
     """The top k rows in the order the report shows them (exact re-ranking included), then by scores.npy."""
-    out = [int(r["position"]) for r in report.get("ranking", [])][:k]
+    out = [r.position for r in report.ranking][:k]
     if len(out) < k and scores is not None:
         from ..attribution.scoring import rank
 
@@ -211,14 +213,41 @@ def statement(res: dict) -> str:
 # ------------------------------------------------------------------------------------------ the verb
 
 
-def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, keep_adapters: bool = False,
-               reference: bool = True, console=None) -> dict:
-    """Retrain without the accused and without random rows; writes OUT/verify.json and OUT/report.html."""
-    from ..runtime import configure_threads, seed_everything
+@dataclass(frozen=True)
+class VerifyInputs:
+    """What verify reads and decides before it retrains: the report, the recipe, the session (data, no model),
+    the eval items' base and fine-tuned scores, K and why, the accused rows and the random controls."""
+
+    report: Report
+    recipe: Optional[Recipe]
+    recipe_path: str
+    user_adapter: Path
+    session: Any
+    base_scores: list[float]
+    tuned_scores: list[float]
+    top_k: int
+    top_k_rule: str
+    accused: list[int]
+    control_sets: list[list[int]]
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.session.examples)
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    """The reference retrain (nothing dropped) against the user's adapter, and the scores every retrain is compared
+    with: the original fine-tune's, or the reference retrain's when it does not reproduce the adapter bit for bit."""
+
+    summary: Optional[dict]
+    tuned_side: list[float]
+
+
+def verify_inputs(cfg: Config, top_k: Optional[int], controls: int) -> VerifyInputs:
+    """Step 1: the report, the recipe and the rows to drop, refused with a VerifyError that says what to do."""
     from ..setup.session import open_session
 
-    t_all = time.time()
-    configure_threads(cfg.model.threads)
     report = read_report(cfg, "verify")
     recipe, recipe_path = retrain_recipe(cfg)
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
@@ -226,126 +255,134 @@ def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, k
         raise VerifyError("data.eval is not set: verify re-measures the capability on the eval set")
     ctx = open_session(cfg, load_model_=False)
     n = len(ctx.examples)
-    cap = report.get("capability") or {}
-    items = cap.get("items") or []
+    items = report.capability.items if report.capability is not None else []
     if len(items) != len(ctx.eval_items):
-        raise VerifyError(f"{cfg.output_dir / 'report.json'}: it measured {len(items)} eval items but data.eval has "
+        raise VerifyError(f"{cfg.output_dir / REPORT_FILE}: it measured {len(items)} eval items but data.eval has "
                           f"{len(ctx.eval_items)}; rerun `gradian attribute CONFIG`")
-    base_s = [float(it["base_score"]) for it in items]
-    tuned_s = [float(it["tuned_score"]) for it in items]
+    if any(it.base_score is None or it.tuned_score is None for it in items):
+        raise VerifyError(f"{cfg.output_dir / REPORT_FILE}: capability.items have no base_score/tuned_score (a report "
+                          "of an older version); rerun `gradian attribute CONFIG`")
     scores_path = cfg.output_dir / "scores.npy"
     scores = np.load(scores_path, allow_pickle=False) if scores_path.exists() else None
-    if top_k is None:
-        k, k_rule = default_top_k(cfg, report, n)
-    else:
-        k, k_rule = int(top_k), "--top-k"
+    k, k_rule = default_top_k(cfg, report, n) if top_k is None else (int(top_k), "--top-k")
     if k < 1 or k >= n:
         raise VerifyError(f"--top-k {k}: must be between 1 and {n - 1} (the training set has {n} rows)")
     accused = accused_positions(report, scores, k)
     if len(accused) < k:
         raise VerifyError(f"the report ranks only {len(accused)} rows and OUT/scores.npy is missing; use --top-k "
                           f"{len(accused)} or rerun attribute with a larger attribution.top_k")
-    ctl_sets = control_sets(n, k, accused, controls, cfg.seed)
-    seed_everything(cfg.seed)
+    return VerifyInputs(report, recipe, str(recipe_path), user_adapter, ctx, [float(it.base_score) for it in items],
+                        [float(it.tuned_score) for it in items], k, k_rule, accused,
+                        control_sets(n, k, accused, controls, cfg.seed))
 
+
+def verify_jobs(inputs: VerifyInputs, work: Path, reference: bool) -> list[RetrainJob]:
+    """Step 2: the retrains, in order: the reference (nothing dropped), the accused, then each random control."""
+    named = ([("reference", [])] if reference else []) + [("accused", inputs.accused)] + \
+        [(f"control-{i + 1}", s) for i, s in enumerate(inputs.control_sets)]
+    return [RetrainJob(name, tuple(excl), work / name) for name, excl in named]
+
+
+def _retrain_measured(cfg: Config, inputs: VerifyInputs, jobs: list[RetrainJob], log_path: Optional[Path],
+                      keep_adapters: bool, say) -> dict[str, Retrained]:
+    """Step 3: every retrain and its eval scores and answers (`measure_adapter`); the retrained adapters removed
+    when a retrain fails, unless they are kept."""
+    k = inputs.top_k
+
+    def announce(j: int, job: RetrainJob) -> None:
+        what = "nothing dropped" if not job.exclude else (f"minus the top {k} accused rows" if job.name == "accused"
+                                                          else f"minus {k} random rows")
+        say(f"[bold]retrain {j + 1}/{len(jobs)}[/] {job.name}: {what}")
+
+    settings = RetrainSettings(cfg, inputs.recipe, inputs.user_adapter, log_path=log_path)
+    try:
+        done = retrain_many(settings, jobs, lambda job, path: measure_adapter(cfg, path, inputs.session),
+                            before=announce)
+    except BaseException:
+        if not keep_adapters:
+            _remove_retrains(jobs[0].out_dir.parent, [job.name for job in jobs])
+        raise
+    return {r.job.name: r for r in done}
+
+
+def reference_check(inputs: VerifyInputs, measured: dict[str, Retrained]) -> ReferenceCheck:
+    """Step 4: did the reference retrain reproduce the adapter? If not, retrains are compared with it instead."""
+    r = measured.get("reference")
+    if r is None:
+        return ReferenceCheck(None, inputs.tuned_scores)
+    scores = r.measured[0]
+    same = adapters_equal(r.path, inputs.user_adapter)
+    summary = {"reproduced_bit_for_bit": same, "capability": float(np.mean(scores)),
+               "matches_original_items": scores == inputs.tuned_scores, "used_as_tuned": not same}
+    return ReferenceCheck(summary, inputs.tuned_scores if same else scores)
+
+
+def verify_result(cfg: Config, inputs: VerifyInputs, measured: dict[str, Retrained], ref: ReferenceCheck, *,
+                  log_path: Optional[Path], work: Path, keep_adapters: bool, started: float) -> dict:
+    """Step 5: verify.json: each retrain compared with the fine-tune, the verdict and its statement."""
+    e = cfg.evaluation
+    base_m, tuned_m = float(np.mean(inputs.base_scores)), float(np.mean(ref.tuned_side))
+
+    def cmp(name: str) -> dict:
+        r = measured[name]
+        scores, generated = r.measured
+        d = compare(inputs.base_scores, ref.tuned_side, scores, samples=e.bootstrap_samples, confidence=e.confidence,
+                    seed=cfg.seed)
+        d.update({"positions": list(r.job.exclude), "item_scores": scores, "generated": generated,
+                  "train_seconds": round(r.train_seconds, 2), "eval_seconds": round(r.measure_seconds, 2)})
+        return d
+
+    acc = cmp("accused")
+    ctls = [cmp(f"control-{i + 1}") for i in range(len(inputs.control_sets))]
+    ctl_fr = [c["reverted_fraction"] for c in ctls if c["reverted_fraction"] is not None]
+    if acc["reverted_fraction"] is None:
+        confirmed, reason = None, ("the reference retrain does not reproduce a capability change, so nothing can be "
+                                   "reverted")
+    else:
+        confirmed, reason = decide(acc, ctls, base_m, tuned_m)
+    res = {
+        "schema": SCHEMA, "metric": inputs.report.capability.metric, "n_items": len(inputs.base_scores),
+        "n_rows": inputs.n_rows, "top_k": inputs.top_k, "top_k_rule": inputs.top_k_rule, "base": base_m,
+        "tuned": tuned_m, "original_tuned": float(np.mean(inputs.tuned_scores)), "confidence": e.confidence,
+        "accused": acc, "controls": ctls, "control_mean_reverted": float(np.mean(ctl_fr)) if ctl_fr else None,
+        "reference": ref.summary, "confirmed": confirmed, "reason": reason, "rule": dict(RULE),
+        "recipe": inputs.recipe_path, "backend": backend_for(cfg, inputs.recipe),
+        "removal": removal_text(cfg, inputs.recipe),
+        **({"train_log": str(log_path)} if log_path is not None else {}),
+        "adapters": str(work) if keep_adapters else None,
+        "timings": {**{n: round(r.train_seconds + r.measure_seconds, 2) for n, r in measured.items()},
+                    "total": round(time.time() - started, 2)},
+    }
+    truth = _truth(cfg, inputs.report)
+    if truth and truth.get("planted"):
+        res["accused"]["planted_among"] = len(set(int(p) for p in truth["planted"]) & set(inputs.accused))
+    res["statement"] = statement(res)
+    return res
+
+
+def run_verify(cfg: Config, *, top_k: Optional[int] = None, controls: int = 3, keep_adapters: bool = False,
+               reference: bool = True, console=None) -> dict:
+    """Retrain without the accused and without random rows; writes OUT/verify.json and OUT/report.html."""
+    from ..runtime import configure_threads, seed_everything
+
+    t_all = time.time()
+    configure_threads(cfg.model.threads)
+    inputs = verify_inputs(cfg, top_k, controls)
+    seed_everything(cfg.seed)
     work = cfg.output_dir / "verify"
     work.mkdir(parents=True, exist_ok=True)
     log_path = cfg.output_dir / "verify.train.log" if cfg.train.command else None
     if log_path is not None:
         log_path.unlink(missing_ok=True)  # this run's log only
-    jobs = ([("reference", [])] if reference else []) + [("accused", accused)] + \
-           [(f"control-{i + 1}", s) for i, s in enumerate(ctl_sets)]
+    jobs = verify_jobs(inputs, work, reference)
     say = console.print if console is not None else (lambda *a, **kw: None)
-    measured: dict[str, dict] = {}
-    timings: dict[str, float] = {}
-    e = cfg.evaluation
-    ranks = dist_.current()
-    try:
-        mine: dict[int, dict] = {}
-        for j, (name, excl) in enumerate(jobs, start=1):
-            if not ranks.owns(j - 1):  # under torchrun retrain j is one rank's, one retrain per rank at a time
-                continue
-            what = "nothing dropped" if not excl else (f"minus the top {k} accused rows" if name == "accused"
-                                                         else f"minus {k} random rows")
-            say(f"[bold]retrain {j}/{len(jobs)}[/] {name}: {what}")
-            with dist_.alone():
-                t0 = time.time()
-                path = retrain(cfg, recipe, excl, work / name, user_adapter, log_path=log_path, label=name)
-                t1 = time.time()
-                sc, gen = measure_adapter(cfg, path, ctx)
-            mine[j - 1] = {"path": path, "scores": sc, "generated": gen, "excluded": list(excl),
-                           "train_seconds": round(t1 - t0, 2), "eval_seconds": round(time.time() - t1, 2),
-                           "seconds": round(time.time() - t0, 2)}
-        for j, m in sorted(dist_.gather_by_index(mine).items()):
-            name = jobs[j][0]
-            timings[name] = m.pop("seconds")
-            measured[name] = m
-    except BaseException:
-        if not keep_adapters:
-            _remove_retrains(work, [name for name, _ in jobs])
-        raise
-
-    ref = None
-    tuned_side = tuned_s
-    if reference:
-        r = measured["reference"]
-        same = adapters_equal(r["path"], user_adapter)
-        ref = {"reproduced_bit_for_bit": same, "capability": float(np.mean(r["scores"])),
-               "matches_original_items": r["scores"] == tuned_s}
-        if not same:
-            tuned_side = r["scores"]  # compare retrain with retrain
-        ref["used_as_tuned"] = not same
-    base_m, tuned_m = float(np.mean(base_s)), float(np.mean(tuned_side))
-
-    def cmp(name: str) -> dict:
-        m = measured[name]
-        d = compare(base_s, tuned_side, m["scores"], samples=e.bootstrap_samples, confidence=e.confidence, seed=cfg.seed)
-        d.update({"positions": m["excluded"], "item_scores": m["scores"], "generated": m["generated"],
-                  "train_seconds": m["train_seconds"], "eval_seconds": m["eval_seconds"]})
-        return d
-
-    acc = cmp("accused")
-    ctls = [cmp(f"control-{i + 1}") for i in range(len(ctl_sets))]
-    ctl_fr = [c["reverted_fraction"] for c in ctls if c["reverted_fraction"] is not None]
-    ctl_mean = float(np.mean(ctl_fr)) if ctl_fr else None
-    if acc["reverted_fraction"] is None:
-        confirmed, reason = None, "the reference retrain does not reproduce a capability change, so nothing can be reverted"
-    else:
-        confirmed, reason = decide(acc, ctls, base_m, tuned_m)
-    truth = _truth(cfg, report)
-    res = {
-        "schema": SCHEMA,
-        "metric": cap.get("metric", e.metric),
-        "n_items": len(items),
-        "n_rows": n,
-        "top_k": k,
-        "top_k_rule": k_rule,
-        "base": base_m,
-        "tuned": tuned_m,
-        "original_tuned": float(np.mean(tuned_s)),
-        "confidence": e.confidence,
-        "accused": acc,
-        "controls": ctls,
-        "control_mean_reverted": ctl_mean,
-        "reference": ref,
-        "confirmed": confirmed,
-        "reason": reason,
-        "rule": dict(RULE),
-        "recipe": str(recipe_path),
-        "backend": backend_for(cfg, recipe),
-        "removal": removal_text(cfg, recipe),
-        **({"train_log": str(log_path)} if log_path is not None else {}),
-        "adapters": str(work) if keep_adapters else None,
-        "timings": {**timings, "total": round(time.time() - t_all, 2)},
-    }
-    if truth and truth.get("planted"):
-        planted = set(int(p) for p in truth["planted"])
-        res["accused"]["planted_among"] = len(planted & set(accused))
-    res["statement"] = statement(res)
+    measured = _retrain_measured(cfg, inputs, jobs, log_path, keep_adapters, say)
+    res = verify_result(cfg, inputs, measured, reference_check(inputs, measured), log_path=log_path, work=work,
+                        keep_adapters=keep_adapters, started=t_all)
     dist_.barrier()  # every rank done with the retrained adapters
-    if ranks.is_main:
+    if dist_.current().is_main:
         if not keep_adapters:
-            _remove_retrains(work, [name for name, _ in jobs])
+            _remove_retrains(work, [job.name for job in jobs])
         atomic_write_text(cfg.output_dir / "verify.json", json.dumps(res, indent=2))
         rewrite_html(cfg.output_dir)
     dist_.barrier()

@@ -1,0 +1,176 @@
+"""Equivalence of two revisions for the validation verbs: the same verify.json and fidelity.json, the same adapters.
+
+    .venv/bin/python bench/equivalence_validate.py --before REV                 # REV against the working tree
+    .venv/bin/python bench/equivalence_validate.py --before REV --reuse-before  # rerun the AFTER side only
+
+What `bench/equivalence.py` does for `attribute`, this does for `verify`, `fidelity` and the trainers. Each run's
+scenario is written, its adapter trained and `attribute` run once with the BEFORE code, so both sides read the very
+same report.json and scores.npy; then `python -m gradian verify` and `python -m gradian fidelity` run in that
+directory with the BEFORE code and with the AFTER code (this checkout's `src`), and their outputs are compared:
+verify.json and fidelity.json parsed, with every timing removed (`timings`, and `train_seconds` / `eval_seconds`
+of each retrain), must be equal. The adapter is also trained again with the AFTER code and compared with the
+BEFORE one tensor by tensor (bit for bit), and so is its recipe (less `train_seconds`).
+
+Runs: the tiny verify scenario of the tests (`tests/test_verify.write_tiny_run`: 48 chat rows, 4 planted) with
+gradian's loop (`train.backend: hf`) and with TRL's SFTTrainer (`train.backend: trl`), and the demo (substitution,
+seed 0). verify: --controls 2 with the report's default K; fidelity: --loo 2 --subsets 4 with the identity and
+diagonal preconditioners.
+
+BEFORE runs from a `git worktree` of REV (PYTHONPATH), AFTER from this checkout; same virtual environment, one CPU
+thread. Prints one line per comparison and exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PREPARE = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+name, out = sys.argv[2], Path(sys.argv[3])
+if name == "demo":
+    from gradian.demo.run import prepare_demo
+    print(prepare_demo(out / name, seed=0, progress=False))
+else:
+    from test_verify import write_tiny_run
+    train = {"backend": "trl"} if name == "tiny-trl" else None
+    print(write_tiny_run(out / name, train=train))
+"""
+RUNS = ("tiny-hf", "tiny-trl", "demo")
+VERIFY_ARGS = ["--controls", "2"]
+FIDELITY_ARGS = ["--loo", "2", "--subsets", "4", "--preconditioner", "identity", "--preconditioner", "diagonal"]
+RETRAIN_TIMINGS = ("train_seconds", "eval_seconds")
+
+
+def run(cmd: list[str], *, src: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(src), "GRADIAN_THREADS": "1", "GRADIAN_PROGRESS": "0"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+def checked(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if p.returncode != 0:
+        sys.exit(f"{what} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def gradian(cfg: Path, verb: str, args: list[str], src: Path) -> subprocess.CompletedProcess:
+    return checked(run([sys.executable, "-m", "gradian", verb, str(cfg), *args], src=src), f"{verb} {cfg} ({src})")
+
+
+def without_timings(doc: dict) -> dict:
+    """The document less what a clock decides: `timings`, and each retrain's train/eval seconds."""
+    doc = json.loads(json.dumps(doc))
+    doc.pop("timings", None)
+    for part in [doc.get("accused")] + list(doc.get("controls") or []):
+        if isinstance(part, dict):
+            for k in RETRAIN_TIMINGS:
+                part.pop(k, None)
+    return doc
+
+
+def validate(cfg: Path, verb: str, args: list[str], src: Path, dest: Path) -> float:
+    """`gradian VERB` in the run directory; its JSON moved to `dest`; returns the CPU seconds it took."""
+    out = cfg.parent / f"{verb}.json"
+    out.unlink(missing_ok=True)
+    t0 = os.times()
+    gradian(cfg, verb, args, src)
+    t1 = os.times()
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(out), dest / f"{verb}.json")
+    return (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
+
+
+def compare(a: Path, b: Path) -> list[str]:
+    da, db = (without_timings(json.loads(p.read_text())) for p in (a, b))
+    if da == db:
+        return []
+    return [f"{a.name} differs in {sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))}"]
+
+
+def adapters_equal(a: Path, b: Path) -> list[str]:
+    import torch
+    from safetensors.torch import load_file
+
+    diffs = []
+    ta, tb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
+    if not (ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)):
+        diffs.append("adapter tensors differ")
+    ra, rb = (json.loads((d / "gradian_recipe.json").read_text()) for d in (a, b))
+    for r in (ra, rb):
+        r.pop("train_seconds", None)
+    if ra != rb:
+        diffs.append(f"recipes differ in {sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))}")
+    for sub in sorted(p.name for p in (a / "checkpoints").glob("epoch-*")) if (a / "checkpoints").is_dir() else []:
+        diffs += [f"checkpoints/{sub}: {d}" for d in adapters_equal(a / "checkpoints" / sub, b / "checkpoints" / sub)]
+    return diffs
+
+
+def prepared(name: str, scen: Path, before: Path) -> Path:
+    """The scenario, trained and attributed once with the BEFORE code (kept across --reuse-before runs)."""
+    b_src = before / "src"
+    p = checked(run([sys.executable, "-c", PREPARE, str(before / "tests"), name, str(scen)], src=b_src),
+                f"prepare {name}")
+    cfg = Path(p.stdout.strip().splitlines()[-1])
+    if not (cfg.parent / "adapter" / "adapter_model.safetensors").exists():
+        gradian(cfg, "train", [], b_src)
+    if not (cfg.parent / "report.json").exists():
+        gradian(cfg, "attribute", [], b_src)
+    return cfg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "gradian-equivalence-validate")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    ap.add_argument("--reuse-before", action="store_true",
+                    help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
+    args = ap.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rev = checked(subprocess.run(["git", "rev-parse", args.before], capture_output=True, text=True, cwd=ROOT),
+                  "git rev-parse").stdout.strip()
+    before = work / f"before-{rev[:12]}"
+    if not before.exists():
+        checked(subprocess.run(["git", "worktree", "add", "--detach", str(before), rev], capture_output=True,
+                               text=True, cwd=ROOT), "git worktree add")
+    b_src, a_src = before / "src", ROOT / "src"
+    scen = work / f"scenarios-{rev[:12]}"
+    bad = 0
+    t_all = time.time()
+    for name in [r for r in args.runs.split(",") if r]:
+        cfg = prepared(name, scen, before)
+        retrained = cfg.parent / "adapter-after"
+        shutil.rmtree(retrained, ignore_errors=True)
+        gradian(cfg, "train", ["--set", f"train.output={retrained}"], a_src)
+        diffs = adapters_equal(cfg.parent / "adapter", retrained)
+        shutil.rmtree(retrained, ignore_errors=True)
+        print(f"{name} train: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)}", flush=True)
+        bad += bool(diffs)
+        for verb, vargs in (("verify", VERIFY_ARGS), ("fidelity", FIDELITY_ARGS)):
+            dest_b, dest_a = work / "results" / "before" / name, work / "results" / "after" / name
+            cpu_b = None
+            if not (args.reuse_before and (dest_b / f"{verb}.json").exists()):
+                cpu_b = validate(cfg, verb, vargs, b_src, dest_b)
+            cpu_a = validate(cfg, verb, vargs, a_src, dest_a)
+            diffs = compare(dest_b / f"{verb}.json", dest_a / f"{verb}.json")
+            bad += bool(diffs)
+            cpu = f"CPU {cpu_b:.1f}s -> {cpu_a:.1f}s" if cpu_b is not None else f"CPU (after) {cpu_a:.1f}s"
+            print(f"{name} {verb}: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)} ({cpu})",
+                  flush=True)
+    print(f"{bad} comparison(s) with differences, {time.time() - t_all:.0f} s wall")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

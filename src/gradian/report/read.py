@@ -1,0 +1,64 @@
+"""report.json read back: `load_report` (the typed report) and `queries_from_report` (the queries it was made from).
+
+The only readers of a written report for the verbs that come after `attribute` (verify, fidelity): every field is
+read through the typed schema, so a key renamed or retyped fails here, naming the file and the key, instead of
+deep inside a retrain; and the queries are rebuilt with every field `attribute` wrote, so fidelity measures the very
+query losses whose gradients the report's scores were computed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
+
+from ..attribution.queries import QueryItem
+from ..errors import DataError
+from .schema import QueryEntry, Report
+
+REPORT_FILE = "report.json"
+
+# report.json holds JSON values; these QueryItem fields are not the JSON type they are read as
+_AS_FIELD: dict[str, Callable[[Any], Any]] = {"span": tuple}
+
+
+def load_report(run_dir: Path | str) -> Report:
+    """OUT/report.json as a typed `schema.Report`; DataError naming the file (and the key) when it is missing, not
+    JSON or not a gradian.report/1 report."""
+    path = Path(run_dir) / REPORT_FILE
+    if not path.exists():
+        raise DataError(f"{path}: no report; run `gradian attribute CONFIG` first")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e})") from None
+    try:
+        return Report.model_validate_json(text)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            raise DataError(f"{path}: cannot be read as JSON ({first.get('msg')})") from None
+        key = ".".join(str(x) for x in first.get("loc", ())) or "(top level)"
+        raise DataError(f"{path}: key {key}: {first.get('msg')} ({e.error_count()} problem(s)); not a gradian.report/1 "
+                        "report as this version writes it: rerun `gradian attribute CONFIG`") from None
+
+
+def query_from_entry(entry: QueryEntry, formulation: str) -> QueryItem:
+    """The `attribution.queries.QueryItem` a report's query entry was written from: every field of QueryItem that
+    the entry holds (a key absent from the entry keeps QueryItem's default); `formulation` (the report's
+    `query.formulation`) when the entry has none of its own (reports written before per-item formulations)."""
+    given = entry.model_dump(exclude_none=True)
+    kw = {f.name: _AS_FIELD.get(f.name, _same)(given[f.name]) for f in fields(QueryItem) if f.name in given}
+    kw.setdefault("formulation", formulation)
+    return QueryItem(**kw)
+
+
+def queries_from_report(report: Report) -> list[QueryItem]:
+    """The failing items' queries as `attribute` built them (report.json `query.items`), in report order."""
+    return [query_from_entry(e, report.query.formulation) for e in report.query.items]
+
+
+def _same(v: Any) -> Any:
+    return v
