@@ -98,13 +98,11 @@ def main(argv=None) -> int:
 
     from peft import LoraConfig, get_peft_model
 
-    from gradian.attribution.engine import ScoringSettings
     from gradian.grads.capture import GradientCapture
     from gradian.grads.layout import site_shapes
     from gradian.attribution.checkpoints import replayed_adapters
     from gradian.config import load_config
     from gradian.setup.batches import collate
-    from gradian.pipeline import index_stage
     from gradian.setup.session import open_session
     from gradian.report.read import load_report
     from gradian.validate.fidelity import correlations as _corr, lds, report_queries as _query_items, scores_with
@@ -203,11 +201,7 @@ def main(argv=None) -> int:
             D1[:, i] += lr * (q1 @ dg)
             D2[:, i] += q2 @ dg
 
-    ix = index_stage(s)
-    try:
-        P0 = scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction))
-    finally:
-        ix.close()
+    P0 = scores_with(s, qitems, direction)
     A = np.array(fid["lds"]["actual"])
     subs = fid["lds"]["removed"]
     loo = fid["loo"]["rows"]

@@ -191,8 +191,9 @@ def test_explicit_checkpoint_adapters_give_the_same_scores_as_the_replay(two_epo
 
 
 def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, tmp_path):
-    """`gradian train` keeps epoch 1 of 2 inside the adapter (bit-identical to the replay), and the default
-    attribution.checkpoints: auto averages over it without replaying anything."""
+    """`gradian train` keeps epoch 1 of 2 inside the adapter (bit-identical to the replay); the default
+    attribution.checkpoints: earliest scores it alone, and auto averages over it and the final adapter without
+    replaying anything."""
     from gradian.pipeline import attribute
     from gradian.attribution.checkpoints import replayed_adapters, saved_adapters
 
@@ -204,7 +205,12 @@ def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, t
     (replayed,), _ = replayed_adapters(cfg, str(adapter), 2, progress=False)
     a, b = _tensors(saved[0]), _tensors(replayed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert cfg.attribution.checkpoints == "auto"
+    assert cfg.attribution.checkpoints == "earliest"  # the default: one adapter state, epoch 1 here
+    cfg.output = str(tmp_path / "earliest")
+    rep_e = attribute(cfg)
+    ck_e = rep_e["query"]["checkpoints"]
+    assert ck_e["labels"] == ["epoch-1"] and ck_e["weights"] == [1.0] and ck_e["setting"] == "earliest"
+    cfg.attribution.checkpoints = "auto"
     cfg.output = str(tmp_path / "auto")
     rep = attribute(cfg)
     ck = rep["query"]["checkpoints"]

@@ -82,22 +82,14 @@ def query_losses(model, s, qitems) -> np.ndarray:
                    batch_size=s.cfg.grads.batch_size)
 
 
-def scores_with(s, ix, qitems, settings) -> np.ndarray:
-    """Per-item scores [Q, N] as `attribute` computes them (exact re-ranking, checkpoints), for `settings` (another
-    preconditioner, say), on the session's index `ix`."""
-    from ..attribution.checkpoints import over_checkpoints
-    from ..attribution.engine import ModelGradients, block_dims_of, score_items
-    from ..attribution.optimizer import over_trajectory
+def scores_with(s, qitems, direction: str, **overrides) -> np.ndarray:
+    """Per-item scores [Q, N] exactly as `attribute` computes them (`attribution.stage.scores_for`: the same
+    adapter states, row source and windows), with the config's settings but `overrides` (another preconditioner)."""
+    from ..attribution.stage import scores_for
 
-    sc = score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems, settings,
-                     block_dims=block_dims_of(ix.index))
-    # the scores `attribute` reports: the optimizer-aware ones when asked for and recorded, else the checkpoints'
-    entry = None
-    if s.cfg.attribution.optimizer == "adamw":
-        sc, entry = over_trajectory(s, sc, qitems, settings)
-    if entry is None:
-        sc, _ = over_checkpoints(s, sc, qitems, settings)
-    return np.asarray(sc.per_item, dtype=np.float64)
+    scored = scores_for(s, qitems, direction, **overrides)
+    scored.close()
+    return np.asarray(scored.scores.per_item, dtype=np.float64)
 
 
 def loo_rows(agg: np.ndarray, k: int, seed: int) -> list[tuple[int, str]]:
@@ -242,24 +234,20 @@ def checked_preconditioners(cfg: Config, preconditioners: Optional[list[str]]) -
 def predictions(s, qitems: list[QueryItem], direction: str, precs: list[str]) -> Predictions:
     """Step 1: the scores of every method on the session's index, the query gradients' norms and the query losses
     under the user's adapter; the session's model is freed after (each retrain is loaded on its own)."""
-    from ..attribution.engine import ModelGradients, ScoringSettings
-    from ..pipeline import index_stage
+    from ..attribution.engine import ModelGradients
+    from ..attribution.stage import exact_capture
 
     cfg = s.cfg
-    ix = index_stage(s)
-    try:
-        per_item = {p: scores_with(s, ix, qitems, ScoringSettings.from_config(cfg, direction, preconditioner=p))
-                    for p in precs}
-        if cfg.attribution.optimizer != "adamw":
-            # the optimizer-aware scores beside the preconditioners', when the adapter's trajectory was recorded
-            from ..attribution.optimizer import optimizer_scores
+    per_item = {p: scores_with(s, qitems, direction, preconditioner=p) for p in precs}
+    if cfg.attribution.optimizer != "adamw":
+        # the optimizer-aware scores beside the preconditioners', when the adapter's trajectory was recorded
+        from ..attribution.optimizer import optimizer_scores
 
-            P, _, _ = optimizer_scores(s, qitems, direction)
-            if P is not None:
-                per_item[OPTIMIZER_METHOD] = P
-        qv = ModelGradients.from_session(s, ix.capture).query_vectors(qitems)
-    finally:
-        ix.close()
+        P, _, _ = optimizer_scores(s, qitems, direction)
+        if P is not None:
+            per_item[OPTIMIZER_METHOD] = P
+    # the exact query gradients at the user's adapter: what a retrain's change of the query loss is predicted from
+    qv = ModelGradients.from_session(s, exact_capture(s)).query_vectors(qitems, exact=True)
     qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
     user_losses = query_losses(s.model, s, qitems)
     s.model = None  # free it: each retrain is loaded on its own
