@@ -130,7 +130,39 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# ------------------------------------------------------------------------------------------ what did not run
+# Every skip is named in the summary with its reason, so a run says what it did not test. The browser tests of the
+# HTML report need Debian's chromium (CI installs it, `.ci/run`); without it they are listed with how to install it.
+CHROMIUM_HINT = "apt-get install chromium"
+
+
+def _skipped(terminalreporter) -> list[tuple[str, str]]:
+    """(node id, reason) of every skipped test or module of this session, in the order they ran."""
+    out = []
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = _skip_reason(rep)
+        out.append((rep.nodeid or str(getattr(rep, "fspath", "?")), reason.removeprefix("Skipped: ")))
+    return out
+
+
+def skip_summary(skipped: list[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(section title, lines) naming what did not run: the browser tests apart, with how to install chromium."""
+    browser = [n for n, r in skipped if "chromium" in r.lower()]
+    other = [(n, r) for n, r in skipped if "chromium" not in r.lower()]
+    sections = []
+    if browser:
+        sections.append((f"not run: {len(browser)} browser test(s), chromium is not installed",
+                         [f"install it to run them: {CHROMIUM_HINT} (CI installs it, .ci/run)", *browser]))
+    if other:
+        sections.append((f"not run: {len(other)} other skipped test(s)", [f"{n}: {r}" for n, r in other]))
+    return sections
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for title, lines in skip_summary(_skipped(terminalreporter)):
+        terminalreporter.section(title, sep="=", yellow=True, bold=True)
+        for line in lines:
+            terminalreporter.line(line, yellow=True)
     lines = _missing_lines(config)
     if lines:
         terminalreporter.section("skipped for a missing listed package: FAILED", sep="=", red=True, bold=True)

@@ -135,3 +135,34 @@ def test_gemma3_capture_dry_run_passes(gemma3_dir, tmp_path):
     r = run_checks(Context(cfg), ["capture.dry_run"])[0]
     assert r.status == "pass", r.message
     assert "add up to the gradient norm" in r.message
+
+
+def test_smollm2_trl_run_attributed_from_its_output_dir_with_flags_alone(smol_run, smollm2_dir, tmp_path,
+                                                                         monkeypatch):
+    """What a TRL user types after training: the output dir (adapter_config.json names the base; checkpoint-*
+    folders beside it), the data and the eval, as flags; no YAML. The earliest checkpoint's scores alone, as above
+    (the suite's time)."""
+    from typer.testing import CliRunner
+
+    import yaml
+
+    from gradian.attribution.scoring import auprc, recall_at_k
+    from gradian.cli import app
+
+    truth = json.loads((smol_run / "truth.json").read_text())
+    monkeypatch.chdir(smol_run)
+    res = CliRunner().invoke(app, ["attribute", "--adapter", "adapter", "--train", "train.jsonl", "--eval", "eval.jsonl",
+                                   "--metric", "contains", "--out", str(tmp_path / "out"),
+                                   "--set", "attribution.checkpoints=earliest"])
+    assert res.exit_code == 0, res.output
+    written = yaml.safe_load((tmp_path / "out" / "gradian.yaml").read_text())
+    assert written["model"]["base"] == str(smollm2_dir)  # read from the adapter's adapter_config.json
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["verdict"] == "attributed", rep["verdict_text"]
+    assert rep["query"]["checkpoints"]["labels"][0].startswith("checkpoint-")
+    planted = truth["planted"]
+    scores = np.load(tmp_path / "out" / "scores.npy")
+    assert recall_at_k(scores, planted, len(planted)) >= 0.75
+    assert auprc(scores, planted) >= 0.8
+    acc = rep["accused"]["positions"]
+    assert acc and all(p in planted for p in acc), acc

@@ -117,3 +117,29 @@ def test_the_test_extra_is_installed():
     assert {"bitsandbytes", "gguf"} <= set(dists), dists
     for dist in dists:
         importlib.import_module(conftest.IMPORT_NAMES.get(dist, dist.replace("-", "_")))
+
+
+def test_the_summary_names_what_did_not_run(pytester):
+    """Browser tests skipped for want of chromium are named with how to install it; any other skip with its reason."""
+    res = _run(pytester, test_page="""
+import pytest
+
+@pytest.mark.skipif(True, reason="chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
+def test_in_the_browser():
+    pass
+
+@pytest.mark.skip(reason="running as root: chmod 000 does not stop reads")
+def test_unreadable():
+    pass
+
+def test_plain():
+    pass
+""")
+    res.assert_outcomes(passed=1, skipped=2)
+    assert res.ret == pytest.ExitCode.OK
+    out = res.stdout.str()
+    assert "not run: 1 browser test(s), chromium is not installed" in out
+    assert "install it to run them: apt-get install chromium" in out
+    assert "test_page.py::test_in_the_browser" in out
+    assert "not run: 1 other skipped test(s)" in out
+    assert "test_page.py::test_unreadable: running as root: chmod 000 does not stop reads" in out

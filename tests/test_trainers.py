@@ -1,5 +1,5 @@
 """Bring your own trainer: the TRL backend (bit-for-bit replays, rows removed in place), GradianCallback with the
-README's TRL script, train.command, schedules and TracIn-CP weights, unsloth without a GPU, train.not_converged."""
+the TRL script of docs/training.md, train.command, schedules and TracIn-CP weights, unsloth without a GPU, train.not_converged."""
 
 from __future__ import annotations
 
@@ -79,16 +79,16 @@ def test_trl_replays_bit_for_bit_and_removes_rows_in_place(tmp_path, monkeypatch
 
 
 def test_readme_trl_script_with_callback_attribute_and_verify(tmp_path):
-    """The README's 20-line TRL script, run as it is on the demo's rows: a cosine schedule and 4 saved
+    """The 20-line TRL script of docs/training.md, run as it is on the demo's rows: a cosine schedule and 4 saved
     checkpoints; attribute with attribution.checkpoints: 4 finds the planted rows with learning-rate weights, and
     verify retrains through TRL from the recorded recipe, bit for bit."""
     from gradian import api
     from gradian.demo.run import prepare_demo
     from gradian.validate.verify import run_verify
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "training.md").read_text()
     m = re.search(r"```python\n(# train_trl\.py.*?)```", text, re.S)
-    assert m, "README lost the TRL script"
+    assert m, "docs/training.md lost the TRL script"
     script = m.group(1)
     assert len(script.strip().splitlines()) <= 22
     (tmp_path / "train_trl.py").write_text(script)

@@ -38,6 +38,50 @@ def _load(config: Path, sets: Optional[List[str]]):
     return load_config(config, sets or [])
 
 
+# The flags of a run in place of CONFIG (gradian.setup.flags): a TRL/HF output dir and the data it read.
+ConfigArg = typer.Argument(None, help="The run's gradian.yaml; or leave it out and give the flags below (they "
+                           "override the file when both are given)", show_default=False)
+AdapterOpt = typer.Option(None, "--adapter", help="The output_dir of a TRL/HF run, or a PEFT LoRA adapter directory "
+                          "(its checkpoint-* folders are found); the base is the one its adapter_config.json names",
+                          show_default=False)
+BaseOpt = typer.Option(None, "--base", help="The base model (directory or hub id), when not the one the adapter names",
+                       show_default=False)
+TrainOpt = typer.Option(None, "--train", help="The training data: .jsonl, .json, .parquet, .csv or a hub dataset id "
+                        "org/name", show_default=False)
+EvalOpt = typer.Option(None, "--eval", help="The eval set: {prompt, answer} records, or a .txt of prompts (one per "
+                       "line) with --metric regex --pattern", show_default=False)
+MetricOpt = typer.Option(None, "--metric", help="exact_match, contains, regex, loglik or python:module:function",
+                         show_default=False)
+PatternOpt = typer.Option(None, "--pattern", help="--metric regex: what every answer must contain (a Python regex)",
+                          show_default=False)
+NegateOpt = typer.Option(False, "--negate", help="--metric regex: an answer passes when the pattern does NOT match")
+OutOpt = typer.Option(None, "--out", help="The run directory (report.json, ...); it gets the settings used as "
+                      "gradian.yaml", show_default=False)
+
+
+def _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir):
+    from .setup.flags import RunFlags
+
+    return RunFlags(adapter=adapter, base=base, train=train_data, eval=eval_data, metric=metric, pattern=pattern,
+                    negate=negate, out=out_dir)
+
+
+def _resolve(config: Optional[Path], flags, sets: Optional[List[str]], *, writes: bool = True):
+    from .setup.flags import resolve_run
+
+    return resolve_run(config, flags, sets or [], writes=writes)
+
+
+def _settings(run, verb: str) -> None:
+    """After a verb from flags succeeded: OUT/gradian.yaml (rank 0 alone under torchrun), and where it is."""
+    from .distributed import current
+    from .setup.flags import write_settings
+
+    if run.from_flags and current().is_main:
+        path = write_settings(run, verb)
+        out.print(f"settings: {path} (rerun with them: gradian verify {path})", highlight=False)
+
+
 def _run(fn, quiet_libraries: bool = True, ranks: bool = False):
     """Run a verb body; user errors become a clear message and exit 2, never a traceback (unless --debug).
 
@@ -123,19 +167,31 @@ def _esc(s: str) -> str:
 
 
 @app.command()
-def diagnose(config: Path, set: Optional[List[str]] = SetOpt,
-             as_json: bool = typer.Option(False, "--json", help="Print the checks as a JSON list")):
+def diagnose(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt,
+             as_json: bool = typer.Option(False, "--json", help="Print the checks as a JSON list"),
+             delta: float = typer.Option(0.2, "--delta", min=0.001, max=1.0, help="The smallest capability change "
+                                         "(0..1) the eval set should detect: diagnose says how many items that needs"),
+             adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+             eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,
+             pattern: Optional[str] = PatternOpt, negate: bool = NegateOpt, out_dir: Optional[str] = OutOpt):
     """Run every setup check without building an index; exit 1 if any error-level check fails."""
 
     def body():
-        from .checks import run_diagnose
+        from .checks import Context, run_checks
         from .report.terminal import print_checks
+        from .setup.flags import eval_size_note
 
-        results = run_diagnose(config, set or [])
+        cfg = _resolve(config, _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir), set,
+                       writes=False).cfg
+        ctx = Context(cfg)
+        results = run_checks(ctx)
         if as_json:
             print(json.dumps([r.to_dict() for r in results], indent=2))
         else:
             print_checks(results, out)
+            items = ctx.peek("eval_items")
+            if items:
+                out.print(eval_size_note(len(items), cfg.evaluation.confidence, delta), highlight=False)
         if any(r.level == "error" and r.status == "fail" for r in results):
             raise typer.Exit(1)
 
@@ -158,7 +214,10 @@ def train(config: Path, set: Optional[List[str]] = SetOpt,
 
 
 @app.command()
-def evaluate(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
+def evaluate(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt,
+             adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+             eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,
+             pattern: Optional[str] = PatternOpt, negate: bool = NegateOpt, out_dir: Optional[str] = OutOpt):
     """Capability delta (base vs fine-tuned) with a paired bootstrap interval; writes OUT/capability.json."""
 
     _torchrun(nproc)
@@ -166,16 +225,20 @@ def evaluate(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[in
     def body():
         from . import api
 
-        cap = api.evaluate(_load(config, set))
+        run = _resolve(config, _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir), set)
+        cap = api.evaluate(run.cfg)
         lo, hi = cap.ci
         out.print(f"{cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, delta {cap.delta:+.3f} "
                   f"[{lo:+.3f}, {hi:+.3f}] significant={cap.significant}")
+        _settings(run, "evaluate")
 
     _run(body, ranks=True)
 
 
 @app.command()
-def index(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
+def index(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt,
+          adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+          out_dir: Optional[str] = OutOpt):
     """Build or reuse the gradient index; prints its size, dims, dtype and cache key."""
 
     _torchrun(nproc)
@@ -183,7 +246,8 @@ def index(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] 
     def body():
         from . import api
 
-        info = api.build_index(_load(config, set))
+        run = _resolve(config, _flags(adapter, base, train_data, None, None, None, False, out_dir), set)
+        info = api.build_index(run.cfg)
         proj = info.projection
         out.print(f"index [bold]{info.key}[/] at {info.root}")
         rate = f", {info.built / info.seconds:.1f} rows/s" if info.built and info.seconds > 0 else ""
@@ -193,12 +257,16 @@ def index(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] 
                   f"projection {proj['kind'] + ' ' + str(proj['dim']) if proj else 'none (exact)'}")
         if info.choice is not None:
             out.print(f"  {info.choice.reason}", highlight=False)
+        _settings(run, "index")
 
     _run(body, ranks=True)
 
 
 @app.command()
-def attribute(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt):
+def attribute(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt, nproc: Optional[int] = NprocOpt,
+              adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+              eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,
+              pattern: Optional[str] = PatternOpt, negate: bool = NegateOpt, out_dir: Optional[str] = OutOpt):
     """The main job: evaluate, index, query, score; writes OUT/report.json and OUT/report.html."""
 
     _torchrun(nproc)
@@ -207,7 +275,8 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[i
         from . import api
         from .report.terminal import print_summary
 
-        cfg = _load(config, set)
+        run = _resolve(config, _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir), set)
+        cfg = run.cfg
         truth = None
         tfile = cfg.output_dir / "truth.json"
         if tfile.exists():
@@ -220,6 +289,7 @@ def attribute(config: Path, set: Optional[List[str]] = SetOpt, nproc: Optional[i
         report = api.attribute(cfg, truth=truth)
         print_summary(report.to_dict(), out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
+        _settings(run, "attribute")
 
     _run(body, ranks=True)
 
@@ -264,7 +334,7 @@ def demo(out_dir: Optional[Path] = typer.Option(None, "--out", help="Run directo
 
 
 @app.command()
-def verify(config: Path, set: Optional[List[str]] = SetOpt,
+def verify(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt,
            top_k: Optional[int] = typer.Option(None, "--top-k", help="Accused rows to drop (default: the report's "
                                                "accused set; without one, the planted rows of OUT/truth.json, else "
                                                "min(attribution.top_k, 5% of the rows))"),
@@ -273,7 +343,10 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
                                               "OUT/verify/"),
            reference: bool = typer.Option(True, "--reference/--no-reference", help="Also retrain with nothing "
                                           "dropped, to show the recipe reproduces the adapter"),
-           nproc: Optional[int] = NprocOpt):
+           nproc: Optional[int] = NprocOpt,
+           adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+           eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,
+           pattern: Optional[str] = PatternOpt, negate: bool = NegateOpt, out_dir: Optional[str] = OutOpt):
     """Retrain without the top-k accused rows (and without k random rows) and re-measure; writes OUT/verify.json."""
 
     _torchrun(nproc)
@@ -282,23 +355,28 @@ def verify(config: Path, set: Optional[List[str]] = SetOpt,
         from .report.terminal import print_verify
         from .validate.verify import run_verify
 
-        cfg = _load(config, set)
+        run = _resolve(config, _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir), set)
+        cfg = run.cfg
         res = run_verify(cfg, top_k=top_k, controls=controls, keep_adapters=keep_adapters, reference=reference,
                          console=out)
         print_verify(res, out)
         out.print(f"verify: {cfg.output_dir / 'verify.json'}  page: {cfg.output_dir / 'report.html'}")
+        _settings(run, "verify")
 
     _run(body, ranks=True)
 
 
 @app.command()
-def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
+def fidelity(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt,
              loo: int = typer.Option(20, "--loo", min=0, help="Leave-one-out rows per group (top, bottom, random)"),
              subsets: int = typer.Option(50, "--subsets", min=0, help="LDS subsets (each drops --frac of the rows)"),
              frac: float = typer.Option(0.05, "--frac", min=0.0, max=0.5, help="Share of rows each LDS subset drops"),
              preconditioner: Optional[List[str]] = typer.Option(None, "--preconditioner", help="Score with this "
                                                                 "preconditioner (repeatable; default: the config's)"),
-             nproc: Optional[int] = NprocOpt):
+             nproc: Optional[int] = NprocOpt,
+             adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
+             eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,
+             pattern: Optional[str] = PatternOpt, negate: bool = NegateOpt, out_dir: Optional[str] = OutOpt):
     """Leave-one-out and LDS on deterministic retrains: do the scores predict the change? Writes OUT/fidelity.json."""
 
     _torchrun(nproc)
@@ -307,11 +385,13 @@ def fidelity(config: Path, set: Optional[List[str]] = SetOpt,
         from .report.terminal import print_fidelity
         from .validate.fidelity import run_fidelity
 
-        cfg = _load(config, set)
+        run = _resolve(config, _flags(adapter, base, train_data, eval_data, metric, pattern, negate, out_dir), set)
+        cfg = run.cfg
         res = run_fidelity(cfg, loo=loo, subsets=subsets, frac=frac, preconditioners=preconditioner or None,
                            console=out)
         print_fidelity(res, out)
         out.print(f"fidelity: {cfg.output_dir / 'fidelity.json'}")
+        _settings(run, "fidelity")
 
     _run(body, ranks=True)
 

@@ -266,7 +266,7 @@ def _format_validation(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see README 'Configuration')")
+            lines.append(f"{source}: unknown key '{loc}' (check the spelling; docs/config.md lists every key)")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{loc}'")
         else:

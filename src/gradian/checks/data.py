@@ -57,7 +57,7 @@ def _data_empty(ctx) -> Outcome:
 @check("data.unknown_record_shape", "error",
        meaning="A record matches none of the known shapes: train {messages}, {prompt, completion} or {text}; eval "
                "{prompt, answer} or {messages, answer}.",
-       fix="rename the fields to one of the supported shapes (see README 'Data records')")
+       fix="rename the fields to one of the supported shapes (docs/config.md: data.train, data.eval)")
 def _data_unknown_shape(ctx) -> Outcome:
     return _record_problems(ctx, "data.unknown_record_shape", 1, "record(s) with an unknown shape",
                             "every record has a known shape")

@@ -90,7 +90,7 @@ REGISTRY: dict[str, Check] = {}
 
 
 def check(id: str, level: str, *, meaning: str, fix: str):
-    """Register a check. Ids are stable: they appear in `diagnose --json`, report.json flags and the README."""
+    """Register a check. Ids are stable: they appear in `diagnose --json`, report.json flags and docs/checks.md."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}")
 

@@ -166,9 +166,12 @@ def read_records(path: DataLocation) -> list[tuple[dict | Any, str]]:
         if not isinstance(data, list):
             raise DataError(f"{path}:1: expected a JSON list of records (or {{\"data\": [...]}}), got {type(data).__name__}", check=UNREADABLE)
         return [(rec, f"{path}:record {i + 1}") for i, rec in enumerate(data)]
+    if suffix == PROMPT_LIST:
+        return _read_prompt_list(path, raw)
     if suffix not in {".jsonl", ".ndjson"}:
-        raise DataError(f"{path}: unsupported file type '{suffix}'; use .jsonl, .json, .parquet, .csv, a save_to_disk "
-                        "directory or a hub dataset id (org/name)", check=UNREADABLE)
+        raise DataError(f"{path}: unsupported file type '{suffix}'; use .jsonl, .json, .parquet, .csv, .txt (eval "
+                        "prompts, one per line), a save_to_disk directory or a hub dataset id (org/name)",
+                        check=UNREADABLE)
     out = []
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
@@ -187,6 +190,24 @@ def read_records(path: DataLocation) -> list[tuple[dict | Any, str]]:
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})", check=UNREADABLE) from None
         out.append((rec, f"{path}:{lineno}"))
+    return out
+
+
+# An eval set as a few prompts, one per line, with what passes said once for all of them by the metric (regex with
+# evaluation.pattern, or a Python metric): each non-blank line, stripped, is the record {"prompt": line}.
+PROMPT_LIST = ".txt"
+
+
+def _read_prompt_list(path: Path, raw: bytes) -> list[tuple[dict, str]]:
+    out = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode the file as "
+                            "UTF-8", check=UNREADABLE) from None
+        if text:
+            out.append(({"prompt": text}, f"{path}:{lineno}"))
     return out
 
 
@@ -333,6 +354,10 @@ def train_shape(rec: Any, where: str) -> tuple[str, dict]:
                             f"{[m['role'] for m in completion]})", check=INVALID)
         return "conversation_completion", {"prompt": prompt, "completion": completion}
     if "prompt" in rec or "completion" in rec:
+        if "completion" not in rec:
+            raise DataError(f"{where}: a 'prompt' without a 'completion': training records hold what the model was "
+                            "trained to answer ({prompt, completion}); prompts alone (a .txt list) are an eval set "
+                            "(data.eval, --eval)", check=INVALID)
         for k in ("prompt", "completion"):
             if not isinstance(rec.get(k), str):
                 raise DataError(f"{where}: '{k}' must be a string (record shape {{prompt, completion}})", check=INVALID)
@@ -386,6 +411,11 @@ def load_eval(path: str | DataLocation, *, need_answer: bool = True) -> list[Eva
     for pos, (rec, where) in enumerate(rows):
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}", check=UNKNOWN_SHAPE)
+        if need_answer and "answer" not in rec and Path(str(path)).suffix.lower() == PROMPT_LIST:
+            raise DataError(f"{path}: a list of prompts has no answers, and evaluation.metric compares each answer "
+                            "with one; say once what passes for every prompt (metric: regex with evaluation.pattern, "
+                            "negate: true for what must not appear; --metric regex --pattern ... [--negate]) or give "
+                            "a JSONL of {prompt, answer} records", check=UNKNOWN_SHAPE)
         if need_answer and ("answer" not in rec or not isinstance(rec["answer"], str)):
             raise DataError(f"{where}: eval records need a string 'answer' (shape {{prompt, answer}} or {{messages, answer}})",
                             check=UNKNOWN_SHAPE)
