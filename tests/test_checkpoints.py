@@ -258,6 +258,7 @@ def test_checkpoints_load_onto_one_base(two_epoch_run, tmp_path, monkeypatch):
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
     cfg.output = str(tmp_path / "out")
+    cfg.attribution.checkpoints = "auto"
     rep = attribute(cfg)
     assert rep["query"]["checkpoints"]["count"] == 2
     assert len(calls) == 1, calls

@@ -75,13 +75,15 @@ def test_the_accused_set_is_the_planted_rows(demo_run):
 
 
 def test_a_flag_names_the_checkpoints_the_scores_came_from(demo_run):
-    """attribution.checkpoints: auto found the epochs gradian train saved; the info flag says so."""
+    """attribution.checkpoints: earliest (the default) found the epochs gradian train saved and scored the first
+    alone; the info flag says so."""
     run, _, _, _ = demo_run
     on_disk = json.loads((run / "report.json").read_text())
     ck = on_disk["query"]["checkpoints"]
-    assert ck["source"] == "saved" and ck["count"] == 8
+    assert ck["source"] == "saved" and ck["count"] == 1 and ck["labels"] == ["epoch-1"], ck
+    assert ck["adapters"][0].endswith("checkpoints/epoch-1")
     flag = next(f for f in on_disk["flags"] if f["id"] == "attribution.checkpoints_used")
-    assert flag["level"] == "info" and "8 checkpoints" in flag["message"] and "saved beside the adapter" in flag["message"]
+    assert flag["level"] == "info" and "earliest saved checkpoint alone (epoch-1" in flag["message"], flag
 
 
 def test_a_row_duplicating_a_query_item_ranks_first_as_helpful(demo_run, tmp_path):

@@ -115,7 +115,7 @@ def test_attributed_report_validates(reports):
     assert m.verdict == "attributed" and m.capability is not None and m.index is not None
     assert m.ranking and all(row.verdict is not None for row in m.ranking)
     assert m.query.items and m.query.preconditioner is not None and m.blame is not None
-    assert m.query.checkpoints is not None and m.query.checkpoints.labels[-1] == "final"
+    assert m.query.checkpoints is not None and m.query.checkpoints.labels == ["epoch-1"]  # the earliest alone
     assert m.index.projection is None and m.index.fidelity is None  # exact index
     assert m.truth is not None and m.metrics is not None
     # The model keeps every key: dumping it gives report.json back.
