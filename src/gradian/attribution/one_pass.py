@@ -43,12 +43,17 @@ class PassPlan:
 
     unique: tuple[int, ...]  # the first position of each distinct row, by (length, position)
     held: tuple[int, ...]  # positions held in memory (every unique row, or a seeded sample of them), in length order
+    # (the batches); the held array keeps them in position order (`held_positions`), the order an index reads
     streamed: tuple[int, ...]  # the other unique positions, in length order
     copies: tuple[int, ...]  # for every row, the unique position whose gradient it shares
 
     @property
     def all_held(self) -> bool:
         return not self.streamed
+
+    @property
+    def held_positions(self) -> list[int]:
+        return sorted(self.held)
 
 
 def plan_pass(toks, width: int, memory_bytes: int, seed: int) -> PassPlan:
@@ -85,16 +90,16 @@ def exact_batches(grads, positions: Sequence[int], label: str) -> Iterator[tuple
 
 
 def held_rows(grads, plan: PassPlan) -> np.ndarray:
-    """float32 [len(plan.held), D]: the held rows' exact gradients, in `plan.held` order, on every rank."""
+    """float32 [len(plan.held), D]: the held rows' exact gradients in position order (`plan.held_positions`), on
+    every rank."""
     got = {j: (part, v) for j, part, v in exact_batches(grads, plan.held, "gradients (held)")}
     if current().active:
         got = gather_by_index(got)
     out = np.empty((len(plan.held), grads.exact_width), dtype=np.float32)
-    at = 0
+    row = {p: i for i, p in enumerate(plan.held_positions)}
     for j in sorted(got):
         part, v = got[j]
-        out[at : at + len(part)] = v
-        at += len(part)
+        out[[row[p] for p in part]] = v
     return out
 
 
@@ -168,8 +173,10 @@ class OnePass:
         """What `explain.clusters` groups rows on: the exact rows (a RowSource in training order) when held, else
         the rows' sketches."""
         if self.plan.all_held:
-            where = {p: j for j, p in enumerate(self.plan.held)}
-            return self.held.subset([where[c] for c in self.plan.copies])
+            where = {p: j for j, p in enumerate(self.plan.held_positions)}
+            pick = [where[c] for c in self.plan.copies]
+            # no copy of the rows when each is its own (no duplicated content): they are already in training order
+            return self.held if pick == list(range(self.held.n)) else self.held.subset(pick)
         return self.sketches
 
     def describe(self) -> dict:
@@ -196,7 +203,7 @@ def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_
     Q = unit.shape[0]
     inner_u = np.zeros((Q, len(toks)), dtype=np.float32)
     norms_u = np.zeros(len(toks))
-    h_idx = list(plan.held)
+    h_idx = plan.held_positions
     inner_u[:, h_idx] = held.inner(unit)
     norms_u[h_idx] = held.row_norms(weights)
     sketches = None

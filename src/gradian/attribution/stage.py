@@ -233,5 +233,5 @@ def _legacy(s, qitems, settings: ScoringSettings) -> Scored:
 
 
 def spans_context(s, scored: Scored):
-    """The session view spans are computed in: the adapter state the scores came from."""
+    """The session view at the adapter state the scores came from (spans, fidelity's query norms)."""
     return state_view(s, scored.state_path, "spans") if scored.state_path else nullcontext(s)

@@ -85,11 +85,15 @@ def query_losses(model, s, qitems) -> np.ndarray:
 def scores_with(s, qitems, direction: str, **overrides) -> np.ndarray:
     """Per-item scores [Q, N] exactly as `attribute` computes them (`attribution.stage.scores_for`: the same
     adapter states, row source and windows), with the config's settings but `overrides` (another preconditioner)."""
+    return np.asarray(_scored(s, qitems, direction, **overrides).scores.per_item, dtype=np.float64)
+
+
+def _scored(s, qitems, direction: str, **overrides):
     from ..attribution.stage import scores_for
 
     scored = scores_for(s, qitems, direction, **overrides)
     scored.close()
-    return np.asarray(scored.scores.per_item, dtype=np.float64)
+    return scored
 
 
 def loo_rows(agg: np.ndarray, k: int, seed: int) -> list[tuple[int, str]]:
@@ -235,10 +239,11 @@ def predictions(s, qitems: list[QueryItem], direction: str, precs: list[str]) ->
     """Step 1: the scores of every method on the session's index, the query gradients' norms and the query losses
     under the user's adapter; the session's model is freed after (each retrain is loaded on its own)."""
     from ..attribution.engine import ModelGradients
-    from ..attribution.stage import exact_capture
+    from ..attribution.stage import exact_capture, spans_context
 
     cfg = s.cfg
-    per_item = {p: scores_with(s, qitems, direction, preconditioner=p) for p in precs}
+    scored = {p: _scored(s, qitems, direction, preconditioner=p) for p in precs}
+    per_item = {p: np.asarray(v.scores.per_item, dtype=np.float64) for p, v in scored.items()}
     if cfg.attribution.optimizer != "adamw":
         # the optimizer-aware scores beside the preconditioners', when the adapter's trajectory was recorded
         from ..attribution.optimizer import optimizer_scores
@@ -246,8 +251,10 @@ def predictions(s, qitems: list[QueryItem], direction: str, precs: list[str]) ->
         P, _, _ = optimizer_scores(s, qitems, direction)
         if P is not None:
             per_item[OPTIMIZER_METHOD] = P
-    # the exact query gradients at the user's adapter: what a retrain's change of the query loss is predicted from
-    qv = ModelGradients.from_session(s, exact_capture(s)).query_vectors(qitems, exact=True)
+    # the query gradients at the adapter state the primary scores came from (the earliest checkpoint by default):
+    # the unit queries the scores were taken against are these over their norms
+    with spans_context(s, scored[precs[0]]) as view:
+        qv = ModelGradients.from_session(view, exact_capture(view)).query_vectors(qitems, exact=True)
     qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
     user_losses = query_losses(s.model, s, qitems)
     s.model = None  # free it: each retrain is loaded on its own
