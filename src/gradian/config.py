@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -9,6 +10,58 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+
+
+# ------------------------------------------------------------------------------------ the strings a config names
+# Each is a `StrEnum`: YAML gives the same strings, `model_dump` writes them back, a member equals (and hashes as)
+# its string and formats as it, so messages and reports read the same. Code chooses a strategy from a member once
+# (a registry keyed by it), never by comparing strings.
+
+
+class PreconditionerKind(StrEnum):
+    """`attribution.preconditioner` (one class each in `attribution.precondition`)."""
+
+    identity = "identity"
+    diagonal = "diagonal"
+    fisher = "fisher"
+    datainf = "datainf"
+    ekfac = "ekfac"
+
+
+class QueryFormulation(StrEnum):
+    """`attribution.query`: what a failing item's query loss contrasts (`attribution.queries`)."""
+
+    contrastive = "contrastive"
+    classic = "classic"
+
+
+class MetricKind(StrEnum):
+    """The kind of `evaluation.metric` (one class each in `capability.metrics`); ``python`` is any
+    ``python:module:function``."""
+
+    exact_match = "exact_match"
+    contains = "contains"
+    loglik = "loglik"
+    regex = "regex"
+    python = "python"
+
+
+PYTHON_METRIC_PREFIX = "python:"
+
+
+def metric_kind(name: str) -> MetricKind:
+    """The kind of a metric name: ``python`` for python:module:function, else the builtin it names (ValueError
+    when it names none)."""
+    return MetricKind.python if str(name).startswith(PYTHON_METRIC_PREFIX) else MetricKind(name)
+
+
+class ProjectionKind(StrEnum):
+    """`grads.projection_kind` (`projection.Projector`)."""
+
+    rademacher = "rademacher"
+    gaussian = "gaussian"
+    sjlt = "sjlt"
+    data_aware = "data-aware"
 
 
 class _Section(BaseModel):
@@ -45,7 +98,7 @@ class GradsConfig(_Section):
     # auto: exact gradients when the exact index is small (`projection.auto`), else a data-aware projection with
     # exact re-ranking; an int: that width; null: exact gradients whatever their size.
     projection_dim: Union[Literal["auto"], Annotated[int, Field(ge=1)], None] = "auto"
-    projection_kind: Literal["rademacher", "gaussian", "sjlt", "data-aware"] = "data-aware"
+    projection_kind: ProjectionKind = ProjectionKind.data_aware
     projection_seed: int = 0
     # Rows a data-aware basis is fitted on (2 exact capture passes over them before the build): more rows cost more
     # but fit a basis closer to the whole set's gradient subspace.
@@ -60,7 +113,7 @@ class GradsConfig(_Section):
     shard_rows: int = Field(default=256, ge=1)
 
 
-BUILTIN_METRICS = ("exact_match", "contains", "loglik", "regex")
+BUILTIN_METRICS = tuple(k.value for k in MetricKind if k is not MetricKind.python)
 
 
 class EvaluationConfig(_Section):
@@ -76,12 +129,17 @@ class EvaluationConfig(_Section):
     max_new_tokens: int = Field(default=32, ge=1)
     batch_size: int = Field(default=16, ge=1)
 
+    @property
+    def metric_kind(self) -> MetricKind:
+        """What kind of metric `metric` names (``python`` for python:module:function)."""
+        return metric_kind(self.metric)
+
     @field_validator("metric")
     @classmethod
     def _metric(cls, v: str) -> str:
         if v in BUILTIN_METRICS:
             return v
-        if v.startswith("python:"):
+        if v.startswith(PYTHON_METRIC_PREFIX):
             parts = v.split(":")
             if len(parts) != 3 or not all(p.strip() for p in parts[1:]):
                 raise ValueError(f"'{v}': a Python metric is written python:module:function, e.g. "
@@ -104,15 +162,15 @@ class EvaluationConfig(_Section):
 
     @model_validator(mode="after")
     def _regex_settings(self):
-        if self.metric != "regex" and (self.pattern is not None or self.negate):
+        if self.metric_kind is not MetricKind.regex and (self.pattern is not None or self.negate):
             key = "evaluation.pattern" if self.pattern is not None else "evaluation.negate"
             raise ValueError(f"{key} is set but evaluation.metric is '{self.metric}'; they apply to metric: regex "
                              "only (drop the key, or set evaluation.metric: regex)")
         return self
 
 class AttributionConfig(_Section):
-    query: Literal["contrastive", "classic"] = "contrastive"
-    preconditioner: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"] = "diagonal"
+    query: QueryFormulation = QueryFormulation.contrastive
+    preconditioner: PreconditionerKind = PreconditionerKind.diagonal
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)
     max_items: int = Field(default=256, ge=1)

@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .projector import Projector
+from ..grads.layout import SiteShape
 
 GRAM_MAX_D = 1024  # data-aware stage 1: exact d x d Gram up to this width, a Frequent Directions sketch above
 FIT_GRAM_BYTES = 256 << 20  # ... while all the exact Grams together stay within this
 STAGE2_WIDTH = 256  # data-aware: r * k1, the width of a side's stage-1 output (its stage-2 Gram is this squared)
 BASIS_FILE = "projection_basis.safetensors"
 BASIS_SCHEMA = "gradian.projection_basis/2"
+
+
+def stage1_width(site: SiteShape, side: str = "A") -> int:
+    """Stage-1 width k1 of a side: as many wide-side directions as keep r * k1 <= STAGE2_WIDTH."""
+    d = site.d_in if side == "A" else site.d_out
+    return min(d, max(1, STAGE2_WIDTH // site.r))
 
 
 def _top_eigvecs(gram: Tensor) -> tuple[Tensor, Tensor]:
@@ -120,18 +125,19 @@ class Basis:
 
 
 class BasisFitter:
-    """Fits a data-aware projector's basis from per-example site gradients in `passes` passes over the same rows,
-    in the same order: for each pass, feed `update(i, dA, dB)` (or `update_all`) for every site of every batch,
-    then call `end_pass()`; finally `projector.set_basis(fitter.finish())`. Pass 1 fits the wide-side directions
-    (skipped when no side needs them), the last pass the site PCA and the allocation of the budget."""
+    """Fits the basis of a data-aware projection of `sites` to `dim` dims (`Projector.fitter()`) from per-example
+    site gradients in `passes` passes over the same rows, in the same order: for each pass, feed `update(i, dA, dB)`
+    (or `update_all`) for every site of every batch, then call `end_pass()`; finally
+    `projector.set_basis(fitter.finish())`. Pass 1 fits the wide-side directions (skipped when no side needs them),
+    the last pass the site PCA and the allocation of the budget."""
 
-    def __init__(self, projector: "Projector"):
-        if projector.kind != "data-aware" or projector.exact:
-            raise ValueError("only a projecting data-aware projector is fitted")
-        self.p = projector
+    def __init__(self, sites: Sequence[SiteShape], dim: int):
+        self.sites = list(sites)
+        self.dim = int(dim)
+        self._by_name = {s.name: s for s in self.sites}
         self.stage1_fits: dict = {}
-        wide = [(s, side, projector.k1(s, side), (s.d_in if side == "A" else s.d_out))
-                for s in projector.sites for side in ("A", "B")]
+        wide = [(s, side, stage1_width(s, side), (s.d_in if side == "A" else s.d_out))
+                for s in self.sites for side in ("A", "B")]
         wide = [w for w in wide if w[2] < w[3]]
         # Exact d x d Grams up to GRAM_MAX_D while all of them fit FIT_GRAM_BYTES; beyond that (a real model: 876 MB
         # on SmolLM-135M's 420 sides) every side wider than 2 l takes the Frequent Directions sketch (2 l x d floats).
@@ -146,7 +152,7 @@ class BasisFitter:
         self.examples = 0
 
     def update(self, i: int, dA: Tensor, dB: Tensor) -> None:
-        s = self.p.sites[i]
+        s = self.sites[i]
         xs = {"A": dA, "B": dB.transpose(1, 2)}  # both [B, r, d]: rows of dA, columns of dB
         if self.pass_no >= self.passes:
             raise RuntimeError("update() after the last pass")
@@ -170,7 +176,7 @@ class BasisFitter:
 
     def end_pass(self) -> None:
         if self.passes == 2 and self.pass_no == 0:
-            self.stage1 = {(name, side): fit.top(self.p.k1(self.p.site(name), side))
+            self.stage1 = {(name, side): fit.top(stage1_width(self._by_name[name], side))
                            for (name, side), fit in self.stage1_fits.items()}
             self.stage1_fits = {}
         self.pass_no += 1
@@ -180,7 +186,7 @@ class BasisFitter:
             raise RuntimeError(f"finish() after {self.pass_no} of {self.passes} passes")
         eig = {}
         cand = []  # (energy, side order, index): the budget goes to the largest energies over all sides
-        order = [(s.name, side) for s in self.p.sites for side in ("A", "B")]
+        order = [(s.name, side) for s in self.sites for side in ("A", "B")]
         for o, key in enumerate(order):
             g = self.grams.get(key)
             if g is None:
@@ -190,7 +196,7 @@ class BasisFitter:
             cand.extend((float(e), o, j) for j, e in enumerate(evals.tolist()))
         cand.sort(key=lambda c: (-c[0], c[1], c[2]))
         take: dict = {}
-        for _, o, _j in cand[: self.p.dim]:
+        for _, o, _j in cand[: self.dim]:
             take[order[o]] = take.get(order[o], 0) + 1
         basis = Basis(stage1=dict(self.stage1), examples=self.examples)
         for key, k2 in take.items():
@@ -217,7 +223,15 @@ def basis_bytes(tensors: dict, metadata: dict) -> bytes:
     return len(h).to_bytes(8, "little") + h + b"".join(blobs)
 
 
-def fit_basis(projector: Projector, batches: Sequence[Sequence[tuple[Tensor, Tensor]]]) -> Basis:
+class FitsBasis(Protocol):
+    """What `fit_basis` needs of a projector (`projector.Projector`)."""
+
+    def fitter(self) -> BasisFitter: ...
+
+    def set_basis(self, basis: Basis) -> None: ...
+
+
+def fit_basis(projector: FitsBasis, batches: Sequence[Sequence[tuple[Tensor, Tensor]]]) -> Basis:
     """Fit (and set) a data-aware projector's basis from per-site exact gradients, one list per batch (a sequence:
     the fit may go over it twice)."""
     f = projector.fitter()

@@ -44,16 +44,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import ProjectionKind
 from ..errors import ConfigError
 from ..io import atomic_write_bytes
 from ..grads.layout import SiteShape, exact_widths
-from .data_aware import BASIS_FILE, BASIS_SCHEMA, STAGE2_WIDTH, Basis, BasisFitter, basis_bytes
+from .data_aware import BASIS_SCHEMA, STAGE2_WIDTH, Basis, BasisFitter, basis_bytes, stage1_width
 from .random import SJLT_NNZ, SJLT_SPARSE_FROM_K, SparseJL, _seed_for, dense_blocks, random_matrix
 
 # Bump when any matrix this module generates changes for the same settings: it is part of spec(), so of the
 # index cache key, and an index built with other matrices becomes foreign.
 PROJECTION_VERSION = 2
-KINDS = ("rademacher", "gaussian", "sjlt", "data-aware")
+KINDS = tuple(k.value for k in ProjectionKind)
 DENSE_CACHE_BYTES = 512 << 20  # dense matrices kept per projector; beyond it blocks are regenerated per call
 DEFAULT_FIT_ROWS = 512  # rows the data-aware basis is fitted on (2 capture passes over them)
 
@@ -72,13 +73,13 @@ class Projector:
             raise ConfigError(f"grads.projection_kind: unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         self.sites = list(sites)
         self._by_name = {s.name: s for s in self.sites}
-        self.kind, self.seed, self.fit_rows = kind, int(seed), int(fit_rows)
+        self.kind, self.seed, self.fit_rows = ProjectionKind(kind), int(seed), int(fit_rows)
         self.requested_dim = dim
         self.exact_dim = sum(exact_widths(self.sites))
         self.k: Optional[int] = None
         self._dim = self.exact_dim
         if dim is not None and dim < self.exact_dim:
-            if kind == "data-aware":
+            if self.data_aware:
                 self.k = 0  # marks "projecting"; per-side widths come from the fit
                 self._dim = min(int(dim), sum(s.r * (self.k1(s, "A") + self.k1(s, "B")) for s in self.sites))
             else:
@@ -105,6 +106,11 @@ class Projector:
         return self.k is None
 
     @property
+    def data_aware(self) -> bool:
+        """A data-aware kind: its basis is fitted on training rows (`needs_fit`), not drawn from a seed."""
+        return self.kind is ProjectionKind.data_aware
+
+    @property
     def dim(self) -> int:
         return self._dim
 
@@ -112,9 +118,8 @@ class Projector:
         return self._by_name[name]
 
     def k1(self, site: SiteShape, side: str = "A") -> int:
-        """Data-aware stage-1 width of a side: as many wide-side directions as keep r * k1 <= STAGE2_WIDTH."""
-        d = site.d_in if side == "A" else site.d_out
-        return min(d, max(1, STAGE2_WIDTH // site.r))
+        """Data-aware stage-1 width of a side (`data_aware.stage1_width`)."""
+        return stage1_width(site, side)
 
     def side_k(self, site: SiteShape, side: str) -> int:
         """Random kinds: width kept on one wide side (its full width when not projected)."""
@@ -128,7 +133,7 @@ class Projector:
     def side_dims(self, site: SiteShape) -> tuple[int, int]:
         if self.k is None:
             return site.r * site.d_in, site.r * site.d_out
-        if self.kind == "data-aware":
+        if self.data_aware:
             if self.basis is None:
                 raise RuntimeError("data-aware projector: the per-site widths are known once the basis is fitted")
             w = self.basis.stage2
@@ -137,13 +142,13 @@ class Projector:
 
     def site_dims(self) -> list[int]:
         """Width of each site's block; empty for a data-aware projector before its fit (the fit decides them)."""
-        if self.kind == "data-aware" and self.k is not None and self.basis is None:
+        if self.data_aware and self.k is not None and self.basis is None:
             return []
         return [sum(self.side_dims(s)) for s in self.sites]
 
     @property
     def needs_fit(self) -> bool:
-        return self.kind == "data-aware" and self.k is not None and self.basis is None
+        return self.data_aware and self.k is not None and self.basis is None
 
     # ---------------------------------------------------------------------------------------- matrices
 
@@ -169,12 +174,12 @@ class Projector:
         nbytes = 4 * d * self.k
         if self._cache_bytes + nbytes > DENSE_CACHE_BYTES:
             return None
-        if self.kind == "sjlt":
+        if self.kind is ProjectionKind.sjlt:
             if self.k >= SJLT_SPARSE_FROM_K:
                 return None
             m = self._sjlt(site, side, d).dense()
         else:
-            m = random_matrix(d, self.k, kind=self.kind, seed=self.seed, name=site.name, side=side)
+            m = random_matrix(d, self.k, kind=self.kind.value, seed=self.seed, name=site.name, side=side)
         return self._remember(key, m.to(device), nbytes)
 
     def _fitted(self, stage: str, site: SiteShape, side: str, device) -> Optional[Tensor]:
@@ -195,9 +200,9 @@ class Projector:
         """Random kinds: the [d, k] matrix of site i's side "A" or "B" (materialised; tests and inspection)."""
         site = self.sites[i]
         d = site.d_in if side == "A" else site.d_out
-        if not self._projects(site, side) or self.kind == "data-aware":
+        if not self._projects(site, side) or self.data_aware:
             raise ValueError("matrix() is for the projected sides of random kinds")
-        return random_matrix(d, self.k, kind=self.kind, seed=self.seed, name=site.name, side=side, device=device)
+        return random_matrix(d, self.k, kind=self.kind.value, seed=self.seed, name=site.name, side=side, device=device)
 
     def _apply(self, site: SiteShape, side: str, x: Tensor) -> Tensor:
         """Random kinds: x [..., d] @ P [d, k]."""
@@ -205,10 +210,10 @@ class Projector:
         m = self._dense(site, side, d, x.device)
         if m is not None:
             return x @ m
-        if self.kind == "sjlt":
+        if self.kind is ProjectionKind.sjlt:
             return self._sjlt(site, side, d).apply(x)
         out = None
-        for a, b, blk in dense_blocks(self.kind, d, self.k, self.seed, site.name, side):
+        for a, b, blk in dense_blocks(self.kind.value, d, self.k, self.seed, site.name, side):
             part = x[..., a:b] @ blk.to(x.device)
             out = part if out is None else out.add_(part)
         return out
@@ -227,7 +232,7 @@ class Projector:
         site = self.sites[i]
         if self.k is None:
             return torch.cat([dA.flatten(1), dB.flatten(1)], dim=1)
-        if self.kind == "data-aware":
+        if self.data_aware:
             parts = []
             for side, x in (("A", dA), ("B", dB.transpose(1, 2))):  # both [B, r, d]
                 u = self._fitted("U", site, side, x.device)
@@ -243,11 +248,14 @@ class Projector:
     # ------------------------------------------------------------------------------------- data-aware
 
     def fitter(self) -> BasisFitter:
-        return BasisFitter(self)
+        """The fitter of this projector's basis (a projecting data-aware projector only)."""
+        if not self.data_aware or self.exact:
+            raise ValueError("only a projecting data-aware projector is fitted")
+        return BasisFitter(self.sites, self._dim)
 
     def set_basis(self, basis: Basis) -> None:
         """Install a fitted basis after checking every shape against the sites and the budget."""
-        if self.kind != "data-aware" or self.k is None:
+        if not self.data_aware or self.k is None:
             raise ValueError("set_basis: only a projecting data-aware projector has a basis")
         total = 0
         for s in self.sites:
@@ -270,7 +278,7 @@ class Projector:
 
     def basis_spec(self) -> dict:
         """What a stored basis must have been fitted for."""
-        return {"kind": self.kind, "dim": self._dim, "seed": self.seed, "fit_rows": self.fit_rows,
+        return {"kind": self.kind.value, "dim": self._dim, "seed": self.seed, "fit_rows": self.fit_rows,
                 "stage2_width": STAGE2_WIDTH, "version": PROJECTION_VERSION,
                 "sites": [[s.name, s.r, s.d_in, s.d_out] for s in self.sites]}
 
@@ -328,18 +336,18 @@ class Projector:
         """Settings that determine the projection (the cache key's part); None when exact."""
         if self.k is None:
             return None
-        d = {"kind": self.kind, "dim": self.dim, "seed": self.seed, "version": PROJECTION_VERSION}
-        if self.kind == "data-aware":
+        d = {"kind": self.kind.value, "dim": self.dim, "seed": self.seed, "version": PROJECTION_VERSION}
+        if self.data_aware:
             d.update(scheme="lora-wide-side+site-pca", fit_rows=self.fit_rows, stage2_width=STAGE2_WIDTH)
         else:
             d.update(scheme="lora-wide-side", per_site_k=self.k)
-            if self.kind == "sjlt":
+            if self.kind is ProjectionKind.sjlt:
                 d["sjlt_nnz"] = SJLT_NNZ
         return d
 
     def describe(self) -> Optional[dict]:
         d = self.spec()
-        if d is not None and self.kind == "data-aware" and self.basis is not None:
+        if d is not None and self.data_aware and self.basis is not None:
             d = {**d, "basis_sha256": self.basis_sha256, "fit_examples": self.basis.examples,
                  "site_dims": self.site_dims()}
         return d

@@ -1,96 +1,26 @@
 """What each section of the HTML page shows, built from the report's JSON (untrusted: every value is coerced and
-every text later escaped by the template). `page_context` is the template's whole input."""
+every text later escaped by the template). `page_context` is the template's whole input; the banner is built in
+`banner`, values are coerced and formatted in `values`."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..capability.metrics import is_binary_metric
 from ..version import __version__
-from .plots import capability_svg, fmt_num, histogram_from_scores, histogram_svg
+from .banner import accused, banner
+from .plots import capability_svg, histogram_from_scores, histogram_svg
+from .values import (MAX_POSITIONS_SHOWN, as_dict, as_float, as_int, as_list, as_str, flatten, human_bytes,  # noqa: F401
+                     human_seconds, pct, signed)
 
 # Long rows are trimmed around their highlighted span; the full text stays in the training file.
 MAX_ROW_CHARS = 4000
 CONTEXT_CHARS = 1500
 MAX_ITEMS_SHOWN = 500
-MAX_POSITIONS_SHOWN = 40
 
 _LEVEL_ORDER = {"error": 0, "warning": 1, "info": 2}
-
-
-def pct(x: Any, digits: int = 1) -> str:
-    v = as_float(x)
-    return "–" if v is None else f"{v * 100:.{digits}f}%"
-
-
-def signed(x: Any) -> str:
-    v = as_float(x)
-    if v is None:
-        return "–"
-    s = fmt_num(v, 3)
-    return s if s.startswith("-") or v == 0 else "+" + s
-
-
-def human_bytes(x: Any) -> str:
-    v = as_float(x)
-    if v is None:
-        return "–"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{v:.1f} TiB"  # pragma: no cover
-
-
-def human_seconds(x: Any) -> str:
-    v = as_float(x)
-    if v is None:
-        return "–"
-    if v < 1:
-        return f"{v * 1000:.0f} ms"
-    if v < 120:
-        return f"{v:.1f} s"
-    m, s = divmod(v, 60)
-    if m < 120:
-        return f"{int(m)} min {s:.0f} s"
-    h, m = divmod(m, 60)
-    return f"{int(h)} h {int(m)} min"
-
-
-def as_float(x: Any) -> float | None:
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def as_int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
-
-
-def as_str(x: Any) -> str:
-    return "" if x is None else str(x)
-
-
-def as_dict(x: Any) -> dict[str, Any]:
-    return dict(x) if isinstance(x, Mapping) else {}
-
-
-def as_list(x: Any) -> list[Any]:
-    if x is None or isinstance(x, (str, bytes, Mapping)):
-        return []
-    try:
-        return list(x)
-    except TypeError:
-        return []
 
 
 # ------------------------------------------------------------------------------------------------ spans
@@ -129,135 +59,12 @@ def split_span(text: str, start: Any, end: Any, span_text: str | None = None) ->
 # ------------------------------------------------------------------------------------------------ context
 
 
-def _flatten(d: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """Nested settings as dotted keys with display strings."""
-    rows: list[tuple[str, str]] = []
-    if isinstance(d, Mapping):
-        if not d and prefix:
-            rows.append((prefix, "{}"))
-        for k, v in d.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            rows.extend(_flatten(v, key))
-        return rows
-    rows.append((prefix or "value", _display(d)))
-    return rows
-
-
-def _display(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    if isinstance(v, float) or type(v).__name__.startswith(("float", "int", "uint")):
-        return fmt_num(v)
-    if isinstance(v, str):
-        return v
-    if isinstance(v, (list, tuple)):
-        if all(not isinstance(x, (Mapping, list, tuple)) for x in v):
-            shown = ", ".join(_display(x) for x in v[:MAX_POSITIONS_SHOWN])
-            more = f", … ({len(v)} in all)" if len(v) > MAX_POSITIONS_SHOWN else ""
-            return f"[{shown}{more}]"
-        try:
-            s = json.dumps(v, default=str)
-        except (TypeError, ValueError):
-            s = str(v)
-        return s if len(s) <= 400 else s[:400] + " …"
-    return str(v)
-
-
-def _banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]:
-    verdict = as_str(report.get("verdict")).strip() or "unknown"
-    metric = as_str(cap.get("metric")) or "the metric"
-    conf = as_float(cap.get("confidence"))
-    conf_txt = f"{conf * 100:.0f}%" if conf is not None else "confidence"
-    ci = as_list(cap.get("ci"))
-    lo = as_float(ci[0]) if len(ci) > 0 else None
-    hi = as_float(ci[1]) if len(ci) > 1 else None
-    base, tuned, delta = as_float(cap.get("base")), as_float(cap.get("tuned")), as_float(cap.get("delta"))
-    if delta is None and base is not None and tuned is not None:
-        delta = tuned - base
-    n = as_int(cap.get("n"))
-    mdd = as_float(cap.get("min_detectable_delta"))
-    acc = _accused(report)
-    n_acc, n_listed = acc["count"], len(as_list(report.get("ranking")))
-
-    def change() -> str:
-        if base is None or tuned is None:
-            return ""
-        s = f"{metric} went from {fmt_num(base, 3)} (base) to {fmt_num(tuned, 3)} (fine-tuned)"
-        if delta is not None:
-            s += f", a change of {signed(delta)}"
-        if lo is not None and hi is not None:
-            s += f" ({conf_txt} interval {fmt_num(lo, 3)} to {fmt_num(hi, 3)})"
-        if n is not None:
-            s += f" over {n} eval items"
-        return s + "."
-
-    details: list[str] = []
-    if verdict == "attributed":
-        title, tone = "Attributed", "attributed"
-        default = "The capability changed and the training rows that pushed it are ranked below."
-        if change():
-            details.append(change())
-        if n_acc and acc["rule"]:
-            details.append(f"{n_acc} training row{'' if n_acc == 1 else 's'} stand{'s' if n_acc == 1 else ''} out and "
-                           f"{'is' if n_acc == 1 else 'are'} accused: {acc['rule']}.")
-        elif n_acc:
-            details.append(f"The {n_acc} highest-scoring training rows are listed as the accused below.")
-        else:
-            details.append("No training row stands out from the others' scores, so none is accused; the "
-                           f"{n_listed} highest-scoring rows are listed for inspection.")
-    elif verdict == "declined":
-        title, tone = "Declined: no attribution", "declined"
-        default = ("The capability did not change measurably, so there is nothing to attribute; "
-                   "no training rows are accused.")
-        if change():
-            details.append(change())
-        if lo is not None and hi is not None:
-            details.append(
-                f"The {conf_txt} interval for the change, [{fmt_num(lo, 3)}, {fmt_num(hi, 3)}], "
-                + ("includes zero." if lo <= 0 <= hi else "does not clear the significance test.")
-            )
-        if mdd is not None:
-            details.append(
-                f"The smallest change this eval set can reliably detect is about {fmt_num(mdd, 3)}; "
-                "a larger eval set detects smaller changes."
-            )
-    elif verdict == "smoke_test":
-        title, tone = "Smoke test: not evidence", "smoke"
-        default = ("This run exercised the pipeline end to end; the ranking below is not evidence "
-                   "about which rows caused a change.")
-        if change():
-            details.append(change())
-        details.append("Treat the ranking as a check that attribution runs, not as a finding.")
-    else:
-        title, tone = f"Verdict: {verdict}", "unknown"
-        default = "This report has a verdict this version of gradian does not know."
-    return {
-        "verdict": verdict,
-        "title": title,
-        "tone": tone,
-        "text": as_str(report.get("verdict_text")).strip() or default,
-        "details": details,
-    }
-
-
-def _accused(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The accused count and rule; a report written before the accused rule accuses its whole ranking."""
-    acc = report.get("accused")
-    if isinstance(acc, Mapping) and as_int(acc.get("count")) is not None:
-        return {"count": as_int(acc.get("count")), "rule": as_str(acc.get("rule")),
-                "capped": bool(acc.get("capped_at_top_k"))}
-    n = len(as_list(report.get("ranking"))) if as_str(report.get("verdict")) == "attributed" else 0
-    return {"count": n, "rule": "", "capped": False}
-
-
 def _capability(cap: Mapping[str, Any]) -> dict[str, Any]:
     items = []
     for i, it in enumerate(as_list(cap.get("items"))):
         it = as_dict(it)
         bc, tc = it.get("base_correct"), it.get("tuned_correct")
-        if bc is None and tc is None and cap.get("metric") in ("exact_match", "contains"):
+        if bc is None and tc is None and is_binary_metric(cap.get("metric")):
             # capability.json carries per-item metric values; for 0/1 metrics they are the correct marks
             bs, ts = it.get("base_score"), it.get("tuned_score")
             if isinstance(bs, (int, float)) and isinstance(ts, (int, float)):
@@ -464,9 +271,9 @@ def _fidelity(index: Mapping[str, Any], fidelity: Mapping[str, Any] | None) -> l
     groups: list[dict[str, Any]] = []
     inner = index.get("fidelity")
     if isinstance(inner, Mapping) and inner:
-        groups.append({"title": "measured with the index build", "rows": _flatten(inner)})
+        groups.append({"title": "measured with the index build", "rows": flatten(inner)})
     if isinstance(fidelity, Mapping) and fidelity:
-        groups.append({"title": "from fidelity.json (leave-one-out / LDS)", "rows": _flatten(fidelity)})
+        groups.append({"title": "from fidelity.json (leave-one-out / LDS)", "rows": flatten(fidelity)})
     return groups
 
 
@@ -522,13 +329,13 @@ def page_context(report: Mapping[str, Any], verify: Mapping[str, Any] | None,
         # No wall-clock time of its own: the same report renders to the same bytes.
         "created_at": as_str(report.get("created_at") or report.get("created")),
         "schema": as_str(report.get("schema")) or "unknown",
-        "banner": _banner(report, cap),
+        "banner": banner(report, cap),
         "flags": flags,
         "flag_counts": flag_counts,
         "cap": _capability(cap),
         "cap_svg": capability_svg(cap) if cap else None,
         "rows": rows,
-        "accused": _accused(report),
+        "accused": accused(report),
         "has_truth": bool(truth),
         "planted_total": len(planted),
         "planted_found": sum(1 for r in rows if r["planted"]),
@@ -539,7 +346,7 @@ def page_context(report: Mapping[str, Any], verify: Mapping[str, Any] | None,
         "index": index,
         "projection": as_dict(projection) if isinstance(projection, Mapping) else None,
         "fidelity_groups": _fidelity(index, fidelity),
-        "settings_rows": _flatten(as_dict(report.get("settings"))),
+        "settings_rows": flatten(as_dict(report.get("settings"))),
         "timings": _timings(report.get("timings")),
         "verify": _verify(verify),
         "metrics": metrics,

@@ -27,35 +27,23 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..errors import IndexError_
 from ..io import atomic_write
-from .encoding import STORAGE_DTYPES, as_float32, decode, encode
+from .encoding import STORAGE_DTYPES, as_float32, encode
 from .lock import LOCK_FILE, IndexLocked, Lock
-from .manifest import (
-    MANIFEST, SCHEMA, SHARD_RE, Problem, check_shard, move_aside, read_manifest, shard_files, short,
-)
+from .manifest import MANIFEST, SCHEMA, short
+from .opening import TMP_PREFIX, IndexMismatch, Spec, find_for_writing, find_read_only
+from .reading import ShardReader
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GradientIndex", "IndexLocked", "IndexMismatch", "SCHEMA", "STORAGE_DTYPES"]
 
-TMP_PREFIX = ".tmp-"
 SCORE_BLOCK_BYTES = 256 << 20  # float32 rows `score` decodes at once, at most (4096 exact rows at 4.9M dims: 80 GB)
 ON_MISMATCH = ("rebuild", "refuse")
-
-
-class IndexMismatch(IndexError_):
-    """An index on disk cannot be used as it is. `reason` is one of: foreign, unreadable, missing, truncated,
-    corrupt; `path` is the offending file."""
-
-    def __init__(self, message: str, *, path: Path, reason: str):
-        super().__init__(message)
-        self.path = Path(path)
-        self.reason = reason
 
 
 def _atomic_write(directory: Path, name: str, write) -> tuple[str, int]:
@@ -63,7 +51,7 @@ def _atomic_write(directory: Path, name: str, write) -> tuple[str, int]:
     return atomic_write(directory / name, write, tmp_name=f"{TMP_PREFIX}{name}.{os.getpid()}")
 
 
-class GradientIndex:
+class GradientIndex(ShardReader):
     """A sharded, checksummed, resumable store of float32 rows keyed by content hash. Use `GradientIndex.open`."""
 
     # ------------------------------------------------------------------------------------------- opening
@@ -131,108 +119,19 @@ class GradientIndex:
         self._read_only = bool(read_only)
         self._lock: Optional[Lock] = Lock(root / LOCK_FILE, lock_timeout, shared=self._read_only)
         try:
-            if self._read_only:
-                self._load_read_only(verify)
-            else:
-                self._load(on_mismatch, verify, meta)
+            spec = Spec(root, key, self._dim, storage_dtype)
+            found = find_read_only(spec, verify) if self._read_only else find_for_writing(spec, on_mismatch, verify, meta)
+            self._meta = found.meta
+            for entry in found.shards:
+                self._append_shard(entry)
+            self._next_shard = found.next_shard
+            if found.rewrite:
+                self._write_manifest()
         except BaseException:
             self._lock.release()
             self._lock = None
             raise
         return self
-
-    def _our_files(self) -> list[Path]:
-        return shard_files(self._root)
-
-    def _read_manifest(self) -> tuple[Optional[dict], Optional[Problem], bytes]:
-        return read_manifest(self._root, key=self._key, dim=self._dim, storage_dtype=self._dtype)
-
-    def _move_aside(self, problem: Problem, raw: bytes) -> Path:
-        return move_aside(self._root, problem, raw)
-
-    def _check_shard(self, entry: dict, verify: bool) -> Optional[Problem]:
-        return check_shard(self._root, entry, dim=self._dim, storage_dtype=self._dtype, verify=verify)
-
-    def _load(self, on_mismatch: str, verify: bool, meta: Optional[dict]) -> None:
-        root = self._root
-        for p in root.iterdir():
-            if p.name.startswith(TMP_PREFIX):
-                # We hold the lock, so no live writer owns these: they are what a killed build left.
-                log.info("gradient index %s: removing leftover temporary file %s", root, p.name)
-                p.unlink(missing_ok=True)
-
-        manifest, problem, raw = self._read_manifest()
-        if problem is not None:
-            if on_mismatch == "refuse":
-                raise IndexMismatch(
-                    f"gradient index {problem}. Delete {root}, or let it rebuild (on_mismatch='rebuild').",
-                    path=problem.path,
-                    reason=problem.reason,
-                )
-            dest = self._move_aside(problem, raw)
-            log.warning("gradient index %s; moved it to %s and starting an empty index", problem, dest)
-            manifest = None
-
-        if manifest is None:
-            self._write_manifest()
-            return
-
-        referenced = {s["file"] for s in manifest["shards"]}
-        referenced |= {s["norms"]["file"] for s in manifest["shards"] if s["norms"] is not None}
-        for p in self._our_files():
-            if p.name not in referenced:
-                # Finished shard whose manifest update never landed (killed in between): its rows are redone.
-                log.info("gradient index %s: removing %s, which the manifest does not name", root, p.name)
-                p.unlink(missing_ok=True)
-
-        problems: list[tuple[Problem, dict]] = []
-        keep: list[dict] = []
-        for entry in manifest["shards"]:
-            pr = self._check_shard(entry, verify)
-            if pr is None:
-                keep.append(entry)
-            else:
-                problems.append((pr, entry))
-        if problems and on_mismatch == "refuse":
-            listed = "; ".join(str(p) for p, _ in problems[:5])
-            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
-            first = problems[0][0]
-            raise IndexMismatch(
-                f"gradient index {root} has {len(problems)} bad shard(s): {listed}{more}. Delete {root}, or let it "
-                "rebuild the bad shards (on_mismatch='rebuild').",
-                path=first.path,
-                reason=first.reason,
-            )
-        for pr, entry in problems:
-            for name in (entry["file"], entry["norms"]["file"] if entry["norms"] else None):
-                if name:
-                    (root / name).unlink(missing_ok=True)
-            log.warning("gradient index %s; removed the shard, its %d rows will be recomputed", pr, entry["rows"])
-
-        self._shards = []
-        for entry in keep:
-            self._append_shard(entry)
-        numbers = [int(SHARD_RE.fullmatch(s["file"]).group(1)) for s in manifest["shards"]]
-        self._next_shard = max(numbers, default=-1) + 1  # never reuse a number the manifest still names
-        stored_meta = manifest["meta"]
-        if meta is None:
-            self._meta = stored_meta
-        if problems or self._meta != stored_meta:
-            self._write_manifest()
-
-    def _load_read_only(self, verify: bool) -> None:
-        manifest, problem, _ = self._read_manifest()
-        if problem is None and manifest is None:
-            raise IndexMismatch(f"gradient index {self._root} has no manifest: build it first",
-                                path=self._root / MANIFEST, reason="missing")
-        if problem is not None:
-            raise IndexMismatch(f"gradient index {problem}", path=problem.path, reason=problem.reason)
-        for entry in manifest["shards"]:
-            pr = self._check_shard(entry, verify)
-            if pr is not None:
-                raise IndexMismatch(f"gradient index {pr}", path=pr.path, reason=pr.reason)
-            self._append_shard(entry)
-        self._meta = manifest["meta"]
 
     # -------------------------------------------------------------------------------- shards of other writers
 
@@ -450,84 +349,6 @@ class GradientIndex:
         self.close()
 
     # ------------------------------------------------------------------------------------------- reading
-
-    def _open_shard(self, s: int, cache: dict) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        if s not in cache:
-            entry = self._shards[s]
-            data = np.load(self._root / entry["file"], mmap_mode="r", allow_pickle=False)
-            norms = None
-            if entry["norms"] is not None:
-                norms = np.load(self._root / entry["norms"]["file"], mmap_mode="r", allow_pickle=False)
-            cache[s] = (data, norms)
-        return cache[s]
-
-    def _locate(self, row_keys: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(shard, row within shard) per requested key; KeyError names the first absent one."""
-        self._check_open()
-        if self._pend_keys:
-            self.flush()  # reads go through the files; flushing changes shard boundaries, never values
-        n = len(row_keys)
-        shard = np.empty(n, dtype=np.int64)
-        local = np.empty(n, dtype=np.int64)
-        where = self._where
-        for i, k in enumerate(row_keys):
-            loc = where.get(k)
-            if loc is None:
-                absent = sum(1 for kk in row_keys if kk not in where)
-                raise KeyError(
-                    f"row {short(k)} is not in the gradient index {self._root} "
-                    f"({absent} of {n} requested rows are absent)"
-                )
-            shard[i], local[i] = loc
-        return shard, local
-
-    def _gather(self, shard: np.ndarray, local: np.ndarray, cache: dict) -> np.ndarray:
-        """Decoded float32 rows in the order given, read shard by shard in ascending row order."""
-        out = np.empty((len(shard), self._dim), dtype=np.float32)
-        order = np.lexsort((local, shard))
-        s_sorted, l_sorted = shard[order], local[order]
-        bounds = np.r_[0, np.flatnonzero(np.diff(s_sorted)) + 1, len(order)].astype(np.int64)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b == a:
-                continue
-            data, norms = self._open_shard(int(s_sorted[a]), cache)
-            sel = l_sorted[a:b]
-            if sel[-1] - sel[0] == len(sel) - 1:  # sorted, so this is a contiguous run (or has repeats: no)
-                sel = slice(int(sel[0]), int(sel[-1]) + 1)
-            out[order[a:b]] = decode(data[sel], norms[sel] if norms is not None else None, self._dtype)
-            # Unmap the shard once its rows are copied: mapped pages count in the process's RSS (the kernel maps
-            # neighbouring cached pages on each fault), so keeping every shard mapped made a read of scattered rows
-            # cost about the index's size in RSS (1.8 GB for 4096 rows of a 2.7 GB index).
-            del data, norms
-            cache.pop(int(s_sorted[a]), None)
-        return out
-
-    def _blocks(self, row_keys: Sequence[str], block_rows: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(start, stop, rows[start:stop]) over fixed blocks of the request. Blocks follow the request, not the
-        shards, so scores do not depend on how the rows happen to be sharded (a resumed build has other shard
-        boundaries than an uninterrupted one) and a request of at most `block_rows` rows is one plain matmul."""
-        if block_rows < 1:
-            raise ValueError("block_rows must be >= 1")
-        shard, local = self._locate(row_keys)
-        cache: dict = {}
-        for a in range(0, len(shard), block_rows):
-            b = min(len(shard), a + block_rows)
-            yield a, b, self._gather(shard[a:b], local[a:b], cache)
-
-    def rows(self, row_keys: Sequence[str]) -> np.ndarray:
-        """float32 (len(row_keys), dim) in the order asked; KeyError names the first absent key."""
-        shard, local = self._locate(row_keys)
-        return self._gather(shard, local, {})
-
-    def iter_shards(self) -> Iterator[tuple[list[str], np.ndarray]]:
-        """(keys, float32 rows) per shard in storage order, one shard in memory at a time. With float32
-        storage the block is a read-only memory map."""
-        self._check_open()
-        if self._pend_keys:
-            self.flush()
-        for s, entry in enumerate(list(self._shards)):
-            data, norms = self._open_shard(s, {})
-            yield list(entry["keys"]), decode(data, norms, self._dtype)
 
     def score(self, queries, row_keys: Sequence[str], *, block_rows: int = 4096) -> np.ndarray:
         """float32 (Q, len(row_keys)) = queries @ rows(row_keys).T, holding at most `block_rows` rows (and at most
