@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 from .attribution.accused import accused_set, none_accused
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
-from .attribution.queries import QueryItem, loglik_flags, own_words_row, query_items, select_failing
+from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions
 from .attribution.scoring import Scores, aggregate, degenerate, rank
 from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
@@ -36,75 +35,10 @@ from .grads.capture import GradientCapture
 from .io import atomic_save_npy, atomic_write_text
 from .memory import memory_guard
 from .report.assemble import to_report, totals_of
+from .results import Attribution, Explanation, Outcome, Queries, Ranked
 from .report.build import capability_json, preview, write_report
 from .setup.session import Session, open_session
 from .store.build import OpenIndex, open_index
-
-
-# ------------------------------------------------------------------------------------------------- the values
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What the capability stage found."""
-
-    result: Optional[CapabilityResult]  # None without an eval set
-    verdict: str  # "attributed" | "declined" | "smoke_test"
-    direction: str  # "regression" | "improvement" ("" for a smoke test)
-    failing: tuple[int, ...]  # the eval items the fine-tune moved
-
-
-@dataclass(frozen=True)
-class Queries:
-    """The failing items as queries, with the text each own-words query differentiates."""
-
-    items: tuple[QueryItem, ...]
-    span_texts: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Ranked:
-    """The scores and the order they give. `scored` is None for a smoke test (self-influence) or a run declined
-    before scoring; `declined` is (flag id, why) when the scores cannot name a cause."""
-
-    scored: Optional[Scored]
-    order: Optional[np.ndarray]
-    scores: Optional[np.ndarray]  # the ranking score of every row (scores.npy)
-    totals: Optional[np.ndarray]  # whole-row totals (scores_total.npy)
-    declined: Optional[tuple[str, str]]
-    index_summary: Optional[dict]
-
-
-@dataclass(frozen=True)
-class Explanation:
-    """What the report says about the top rows."""
-
-    rows: tuple[dict, ...]
-    accused: dict
-    spans: tuple[dict, ...]
-    clusters: tuple[dict, ...]
-    clusters_info: Optional[dict]
-    blame: Optional[dict]
-    margins: tuple[dict, ...]  # per failing item: margins under base and fine-tune, and their statement
-    scores: Optional[np.ndarray]
-    totals: Optional[np.ndarray]
-
-
-@dataclass(frozen=True)
-class Attribution:
-    """A finished run, everything `report.assemble.to_report` needs."""
-
-    cfg: Config
-    eval_items: Optional[list]
-    flags: tuple[dict, ...]
-    outcome: Outcome
-    queries: Queries
-    ranked: Ranked
-    explanation: Explanation
-    verdict: str  # the outcome's verdict, or "declined" when the scores could not name a cause
-    truth: Optional[dict]
-    timings: dict
-    timings_cpu: dict
 
 
 # ------------------------------------------------------------------------------------------------- attribute
@@ -173,7 +107,7 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
                                      batch_size=cfg.evaluation.batch_size, one_line=s.one_line, **kw)
             qitems = with_starts(qitems, starts, decision_positions(s.model, s.tokenizer, s.eval_items, qitems, starts,
                                                                     batch_size=cfg.grads.batch_size, **kw))
-    if cfg.evaluation.metric == "loglik":
+    if s.metric.scores_likelihood:
         for f in loglik_flags(qitems):
             s.flag(*f)
     texts = tuple(span_text(s, q) if q.formulation == "own_words" and outcome.verdict == "attributed" else ""

@@ -33,7 +33,7 @@ from . import ekfac
 from . import rerank as rr
 from . import windows as win
 from .directions import BackProjected
-from .precondition import Preconditioner
+from .precondition import Preconditioner, preconditioner_class
 from .queries import query_vectors
 from .scoring import Scores, aggregate, item_scores, score, score_directions
 
@@ -212,7 +212,7 @@ def fit_preconditioner(kind: str, damping: Optional[float], rows: RowSource,
                        block_dims: Optional[list[int]]) -> Preconditioner:
     """`attribution.preconditioner` fitted on the rows (streamed)."""
     p = Preconditioner(kind, damping, block_dims)
-    if p.kind == "identity":
+    if p.is_identity:
         return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
     return p.fit(rows)
 
@@ -224,7 +224,7 @@ def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: Scorin
     t0 = time.time()
     projector = grads.capture.projector
     q_ex = None
-    if settings.preconditioner == ekfac.KIND:
+    if preconditioner_class(settings.preconditioner).parameter_space:
         sc, q, q_ex = _ekfac_scores(grads, rows, qitems, settings)
     else:
         q = grads.query_vectors(qitems)

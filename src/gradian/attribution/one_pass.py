@@ -106,14 +106,14 @@ def held_rows(grads, plan: PassPlan) -> np.ndarray:
 def fit_on(kind, damping: Optional[float], rows: RowSource, widths: Sequence[int]) -> Preconditioner:
     """`attribution.preconditioner` fitted on `rows` (exact layout: one block per LoRA site)."""
     p = Preconditioner(kind, damping, list(widths))
-    if p.kind == "identity":
+    if p.is_identity:
         return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
     return p.fit(rows)
 
 
 def preconditioned_units(q: np.ndarray, pre: Preconditioner) -> tuple[np.ndarray, np.ndarray]:
     """(unit preconditioned queries float32 [Q, D], their norms before scaling), as `scoring.score` makes them."""
-    if pre.kind == "identity":
+    if pre.is_identity:
         return unit_queries(q), np.linalg.norm(np.asarray(q, dtype=np.float32), axis=1)
     qp = pre.apply(q)
     return unit_queries(qp), np.linalg.norm(qp, axis=1)

@@ -70,11 +70,11 @@ def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_width
         exact_queries = lambda ks: arr[list(ks)]  # noqa: E731
     pre = sc.precond
     Q = q_index.shape[0]
-    if pre.kind == "identity":
+    if pre.is_identity:
         return ExactPart(exact_queries, np.full(Q, harm_factor(direction)), exact_widths, unit=True), None
     # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
     c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
-    if pre.kind == "ekfac":  # preconditioned in parameter space: q_exact is H^-1 q already, nothing left in index space
+    if pre.parameter_space:  # preconditioned in parameter space: q_exact is H^-1 q already, nothing left in index space
         return ExactPart(exact_queries, c, exact_widths), None
     scale_idx = expand(pre.identity_scale, index_widths)
     e = ExactPart(exact_queries, c, exact_widths, scale=np.asarray(pre.identity_scale, dtype=np.float64))

@@ -149,7 +149,7 @@ def score(queries: np.ndarray, rows, preconditioner, direction: str, *, unit_row
     unless `unit_rows` is false. `rows` is a `store.rows.RowSource` (its `inner` is the one matmul against the
     index)."""
     q = np.asarray(queries)
-    if preconditioner.kind == "identity":
+    if preconditioner.is_identity:
         unit = unit_queries(q)
         norms = np.linalg.norm(q.astype(np.float32), axis=1)
     else:

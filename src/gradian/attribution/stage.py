@@ -34,9 +34,9 @@ from . import windows as win
 from .directions import BackProjected
 from .engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .one_pass import OnePass, score_one_pass
+from .precondition import preconditioner_class
 from .scoring import Scores
 
-ONE_PASS_PRECONDITIONERS = ("identity", "diagonal", "fisher", "datainf")
 WINDOW_ROWS = 32  # one pass: the long rows windowed are the top WINDOW_ROWS by their whole-row score
 WINDOW_ITEM_ROWS = 8  # ... and the top WINDOW_ITEM_ROWS of those by their best window get per-item windows
 
@@ -78,7 +78,7 @@ def one_pass_applies(cfg, sites, n_rows: int, settings: ScoringSettings) -> bool
     exact index would not be stored (`grads.projection_dim` resolves to a projection)."""
     from ..store.build import projection_choice
 
-    if settings.preconditioner not in ONE_PASS_PRECONDITIONERS:
+    if preconditioner_class(settings.preconditioner).parameter_space:  # EK-FAC: factors fitted over an index
         return False
     if cfg.grads.projection_dim != "auto":
         return False

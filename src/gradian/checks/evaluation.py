@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..config import MetricKind
 from .registry import Outcome, check, failed, passed, skipped
 
 # evaluation.small_eval_set fails when the eval set cannot detect a delta smaller than this.
@@ -80,7 +81,7 @@ def _metric(ctx) -> Outcome:
            "the model actually says")
 def _metric_loglik(ctx) -> Outcome:
     m = ctx.cfg.evaluation.metric
-    if m == "loglik":
+    if ctx.cfg.evaluation.metric_kind is MetricKind.loglik:
         return failed("evaluation.metric is 'loglik': a shift in likelihood is not a changed answer, and the "
                       "contrastive query falls back to classic")
     return passed(f"evaluation.metric '{m}'")

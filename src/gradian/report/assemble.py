@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -12,11 +12,10 @@ from ..attribution.scoring import auprc, rank, recall_at_k
 from ..attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
 from .build import SCHEMA, capability_json, score_summary, verdict_text
 
-if TYPE_CHECKING:  # the stages' values, for the reader
-    from ..pipeline import Attribution
+from ..results import Attribution
 
 
-def to_report(a: "Attribution") -> dict:
+def to_report(a: Attribution) -> dict:
     """The report of an attribution (a plain dict, the JSON written to report.json)."""
     out, ranked, ex = a.outcome, a.ranked, a.explanation
     settings = json.loads(json.dumps(a.cfg.model_dump(mode="json")))
@@ -59,7 +58,7 @@ def to_report(a: "Attribution") -> dict:
     return report
 
 
-def query_entry(a: "Attribution") -> dict:
+def query_entry(a: Attribution) -> dict:
     """`query`: the formulation, direction, the scores' source (checkpoints or optimizer), the preconditioner and,
     per failing item, its query and its top rows."""
     cfg, scored, q = a.cfg, a.ranked.scored, a.queries
@@ -103,6 +102,6 @@ def windows_entry(scored) -> dict:
             "per_item_rows": len(sc.window_item_rows), "rule": rule}
 
 
-def totals_of(a: "Attribution") -> Optional[np.ndarray]:
+def totals_of(a: Attribution) -> Optional[np.ndarray]:
     """scores_total.npy: the whole-row totals of an attributed run (None otherwise)."""
     return a.explanation.totals if a.verdict == "attributed" else None

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..config import BUILTIN_METRICS, Config, _check_output_dirs, _set_in, config_from_dict, load_config, parse_override
+from ..config import BUILTIN_METRICS, Config, MetricKind, metric_kind, _check_output_dirs, _set_in, config_from_dict, load_config, parse_override
 from ..errors import ConfigError
 
 # First line of an OUT/gradian.yaml written from flags: a later run from flags may replace such a file, never one a
@@ -209,7 +209,7 @@ def _metric_keys(flags: RunFlags) -> dict[str, tuple[str, Any]]:
                               "or each item's answer as a pattern), loglik (the answer's likelihood), or "
                               "python:module:function (a function of yours, module.py in the working directory)")
     regex_flags = [f for f, given in (("--pattern", flags.pattern is not None), ("--negate", flags.negate)) if given]
-    if regex_flags and metric not in (None, "regex"):
+    if regex_flags and metric is not None and metric_kind(metric) is not MetricKind.regex:
         raise ConfigError(f"{' and '.join(regex_flags)} with --metric {metric}: they say what a regex metric looks "
                           "for; use --metric regex (or drop them)")
     if flags.pattern is not None:
@@ -312,7 +312,7 @@ def _check_prompt_list(cfg: Config, keys: dict) -> None:
     if not cfg.data.eval or Path(cfg.data.eval).suffix.lower() != PROMPT_LIST:
         return
     e = cfg.evaluation
-    if e.metric.startswith("python:") or (e.metric == "regex" and e.pattern is not None):
+    if e.metric_kind is MetricKind.python or (e.metric_kind is MetricKind.regex and e.pattern is not None):
         return
     where = "--eval" if "data.eval" in keys else "data.eval"
     raise ConfigError(

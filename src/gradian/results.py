@@ -1,0 +1,77 @@
+"""The values the stages of `attribute` hand forward (`pipeline`), and that `report.assemble.to_report` reads: each
+frozen, each the output of one stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .attribution.queries import QueryItem
+from .attribution.stage import Scored
+from .capability.evaluate import CapabilityResult
+from .config import Config
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the capability stage found."""
+
+    result: Optional[CapabilityResult]  # None without an eval set
+    verdict: str  # "attributed" | "declined" | "smoke_test"
+    direction: str  # "regression" | "improvement" ("" for a smoke test)
+    failing: tuple[int, ...]  # the eval items the fine-tune moved
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The failing items as queries, with the text each own-words query differentiates."""
+
+    items: tuple[QueryItem, ...]
+    span_texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The scores and the order they give. `scored` is None for a smoke test (self-influence) or a run declined
+    before scoring; `declined` is (flag id, why) when the scores cannot name a cause."""
+
+    scored: Optional[Scored]
+    order: Optional[np.ndarray]
+    scores: Optional[np.ndarray]  # the ranking score of every row (scores.npy)
+    totals: Optional[np.ndarray]  # whole-row totals (scores_total.npy)
+    declined: Optional[tuple[str, str]]
+    index_summary: Optional[dict]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What the report says about the top rows."""
+
+    rows: tuple[dict, ...]
+    accused: dict
+    spans: tuple[dict, ...]
+    clusters: tuple[dict, ...]
+    clusters_info: Optional[dict]
+    blame: Optional[dict]
+    margins: tuple[dict, ...]  # per failing item: margins under base and fine-tune, and their statement
+    scores: Optional[np.ndarray]
+    totals: Optional[np.ndarray]
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """A finished run, everything `report.assemble.to_report` needs."""
+
+    cfg: Config
+    eval_items: Optional[list]
+    flags: tuple[dict, ...]
+    outcome: Outcome
+    queries: Queries
+    ranked: Ranked
+    explanation: Explanation
+    verdict: str  # the outcome's verdict, or "declined" when the scores could not name a cause
+    truth: Optional[dict]
+    timings: dict
+    timings_cpu: dict
