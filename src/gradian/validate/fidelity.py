@@ -223,12 +223,10 @@ class RetrainLosses:
 
 def checked_preconditioners(cfg: Config, preconditioners: Optional[list[str]]) -> list[str]:
     """The preconditioners to compare (the config's when none is given); VerifyError naming an unknown one."""
-    import typing
-
-    from ..config import AttributionConfig
+    from ..config import PreconditionerKind
 
     precs = preconditioners or [cfg.attribution.preconditioner]
-    known = typing.get_args(AttributionConfig.model_fields["preconditioner"].annotation)
+    known = [k.value for k in PreconditionerKind]
     for p in precs:
         if p not in known:
             raise VerifyError(f"--preconditioner {p}: unknown; one of {', '.join(known)}")
