@@ -172,6 +172,26 @@ def auprc_rank(scores: np.ndarray, planted: list[int]):
     return auprc(scores, planted), recall_at_k(scores, planted, len(planted)), sorted(int(rank[p]) for p in planted)
 
 
+def adam_second_moment(run: Path, meta: dict, width: int):
+    """The TRL checkpoint's AdamW exp_avg_sq, flattened in the gradient layout (sites in order, A then B), or None.
+    TRL's optimizer holds the LoRA parameters in `named_parameters` order, which is the sites' order."""
+    if meta["state"] != "earliest":
+        ck = checkpoints(run)[-1]
+    else:
+        ck = Path(meta["checkpoint"])
+    f = ck / "optimizer.pt"
+    if not f.exists():
+        return None
+    sd = torch.load(f, map_location="cpu", weights_only=False)
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    parts = [sd["state"][i]["exp_avg_sq"].reshape(-1).double().numpy() for i in ids if i in sd["state"]]
+    v = np.concatenate(parts) if parts else np.zeros(0)
+    if v.size != width:
+        log(f"optimizer state {v.size} != gradient width {width}: skipped")
+        return None
+    return v
+
+
 def analyse(run: Path, state: str, lams: list[float]) -> dict:
     from gradian.config import load_config
     from gradian.explain.baselines import bm25_scores
@@ -248,11 +268,15 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
 
     ones = np.ones(G.shape[1])
     diag = 1.0 / (m_train + 0.1 * m_train.mean())
+    adam = adam_second_moment(run, meta, G.shape[1])
     for name, qv in fam.items():
         if not np.any(qv):
             continue
         res[(name, "identity")] = auprc_rank(score(qv, ones), planted)
         res[(name, "diag")] = auprc_rank(score(qv, diag), planted)
+        if adam is not None:
+            res[(name, "adam 1/v")] = auprc_rank(score(qv, 1.0 / (adam + 1e-3 * adam.mean())), planted)
+            res[(name, "adam 1/sqrt(v)")] = auprc_rank(score(qv, 1.0 / (np.sqrt(adam) + 1e-8)), planted)
         for lam in lams:
             r = lam * m_eval_all[name] / m_eval_all[name].mean() * m_train.mean() + (1 - lam) * m_train
             res[(name, f"trackstar {lam}")] = auprc_rank(score(qv, 1.0 / (r + 0.1 * r.mean())), planted)
