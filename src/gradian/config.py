@@ -111,7 +111,7 @@ class EvaluationConfig(_Section):
         return self
 
 class AttributionConfig(_Section):
-    query: Literal["contrastive", "classic"] = "contrastive"
+    query: Literal["contrastive", "classic", "behaviour"] = "contrastive"
     preconditioner: Literal["identity", "diagonal", "fisher", "datainf", "ekfac"] = "diagonal"
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)

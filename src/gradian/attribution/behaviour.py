@@ -32,7 +32,7 @@ import torch
 from ..capability.evaluate import _stop_ids, answer_text
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "BEHAVIOUR_SAMPLES"]
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES"]
 
 BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
 
@@ -108,3 +108,14 @@ def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], directio
             continue
         out.append(replace(q, formulation="behaviour", samples=behaviour_weights(ss, direction)))
     return out
+
+
+def behaviour_queries(s, qitems: Sequence, direction: str, *, n: int = BEHAVIOUR_SAMPLES) -> list:
+    """`attribution.query: behaviour` for an open session: the queries with their sampled answers (the call site
+    is `pipeline.attribute`, after `query_items` and before the decisive tokens, which then run only for the items
+    left with their own-words query)."""
+    if not s.metric.generative:
+        return list(qitems)
+    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=n,
+                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line)
+    return with_samples(qitems, samples, direction)

@@ -104,6 +104,8 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     answer is the target instead (`contrastive`: grad[loss(expected) - loss(generated)]). `classic`: grad
     loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query."""
     metric = metric if metric is not None else getattr(cap, "metric", None)
+    if formulation == "behaviour":  # own-words queries until `behaviour.behaviour_queries` samples the answers
+        formulation = "contrastive"
     out = []
     for i in idx:
         it = items[i]
