@@ -141,11 +141,12 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
     cks = checkpoints(run)
     ctx = s.checkpoint(str(cks[0].resolve()), "probe") if state == "earliest" else contextlib.nullcontext(s)
     with ctx as view:
-        t0 = time.process_time()
-        G = grads_of(view, view.toks, np.float32)
-        np.save(out / "G.npy", G)
-        log(f"rows {G.shape} ({time.process_time() - t0:.0f} s)")
-        del G
+        if not (out / "G.npy").exists():
+            t0 = time.process_time()
+            G = grads_of(view, view.toks, np.float32)
+            np.save(out / "G.npy", G)
+            log(f"rows {G.shape} ({time.process_time() - t0:.0f} s)")
+            del G
         Q = grads_of(view, qrows, np.float32)
         np.save(out / "queries.npy", Q)
         del Q
@@ -293,16 +294,43 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
     return res
 
 
+def rows_only(run: Path) -> None:
+    """G.npy of the earliest checkpoint alone (before the fine-tune has finished: the session opens that
+    checkpoint as its adapter)."""
+    from gradian.config import load_config
+    from gradian.grads.capture import GradientCapture
+    from gradian.grads.layout import site_shapes
+    from gradian.projection import Projector
+    from gradian.setup.batches import batches
+    from gradian.setup.session import open_session
+
+    ck = checkpoints(run)[0]
+    out = run / "probe" / "earliest"
+    out.mkdir(parents=True, exist_ok=True)
+    s = open_session(load_config(run / "gradian.yaml", ["output=probe-out", f"model.adapter={ck.resolve()}"]),
+                     need_eval=False)
+    capture = GradientCapture(s.model, s.sites, Projector(site_shapes(s.sites)))
+    G = np.zeros((len(s.toks), capture.dim), dtype=np.float32)
+    t0 = time.process_time()
+    for part, ids, attn, sup in batches(s.toks, range(len(s.toks)), s.cfg.grads.batch_size, s.pad_id):
+        v, _ = capture.vectors(ids, attn, sup)
+        G[part] = v.numpy()
+    np.save(out / "G.npy", G)
+    log(f"rows {G.shape} at {ck.name} ({time.process_time() - t0:.0f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["extract", "analyse"])
+    ap.add_argument("what", choices=["extract", "analyse", "rows"])
     ap.add_argument("run", type=Path)
     ap.add_argument("--state", default="earliest")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--lams", default="0.5,0.9")
     a = ap.parse_args()
-    if a.what == "extract":
+    if a.what == "rows":
+        rows_only(a.run)
+    elif a.what == "extract":
         extract(a.run, a.state, a.samples, [int(x) for x in a.ks.split(",")])
     else:
         print("| scenario | state | query | metric | AUPRC | recall@k | planted ranks |")
