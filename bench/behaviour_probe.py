@@ -84,6 +84,13 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
     qitems = with_starts(qitems, starts, decision_positions(s.model, s.tokenizer, s.eval_items, qitems, starts,
                                                             batch_size=bs, **kw))
     by = {it.position: it for it in s.eval_items}
+    from gradian.explain.baselines import mean_hidden_states, representation_similarity
+
+    pad = s.tokenizer.pad_token_id if s.tokenizer.pad_token_id is not None else 0
+    th = mean_hidden_states(s.model, s.toks, pad, batch_size=bs)
+    qh = mean_hidden_states(s.model, [tokenize_example(s.tokenizer, eval_answer_example(by[q.item], q.generated, s.chat), L)
+                                      for q in qitems], pad, batch_size=bs)
+    np.save(out / "repsim.npy", representation_similarity(th, qh))
     # sampled answers, temperature 1, seeded per item and model
     stops = _stop_ids(s.tokenizer, s.model, s.chat)
     samples = []  # (query index, source, text, passes)
@@ -147,6 +154,24 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
             np.save(out / "G.npy", G)
             log(f"rows {G.shape} ({time.process_time() - t0:.0f} s)")
             del G
+        truth = json.loads((run / "truth.json").read_text())
+        turn_rows, turn_meta = [], []
+        if truth.get("planted_turns"):  # each planted row's exchanges apart (their gradients add up to the row's)
+            from gradian.explain.spans import exchange_ranges, token_char_anchors
+
+            for p in truth["planted"]:
+                ex, t = view.examples[p], view.toks[p]
+                rng = exchange_ranges(ex)
+                starts_ = np.array([a for a, _, _ in rng])
+                anchors = token_char_anchors(ex, t, s.tokenizer)
+                exch = [rng[min(max(int(np.searchsorted(starts_, a, side="right") - 1), 0), len(rng) - 1)][2]
+                        if a >= 0 else 0 for a in anchors]
+                for k in sorted(set(exch)):
+                    from dataclasses import replace as _r
+
+                    turn_rows.append(_r(t, supervised=[bool(sv) and exch[i] == k for i, sv in enumerate(t.supervised)]))
+                    turn_meta.append([p, k])
+            np.save(out / "turns.npy", grads_of(view, turn_rows, np.float32))
         Q = grads_of(view, qrows, np.float32)
         np.save(out / "queries.npy", Q)
         del Q
@@ -159,18 +184,23 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
             "queries": [{"item": q.item, "prompt": q.prompt, "generated": q.generated, "base_generated": q.base_generated,
                          "formulation": q.formulation, "span": list(q.span), "span_start": q.span_start}
                         for q in qitems],
-            "qkind": qkind, "samples": [list(x) for x in samples]}
+            "qkind": qkind, "turn_rows": turn_meta, "samples": [list(x) for x in samples]}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 # ------------------------------------------------------------------------------------------------ analysis
 def auprc_rank(scores: np.ndarray, planted: list[int]):
+    """(AUPRC, recall@k, planted ranks, accused as "planted/total" by the report's rule: robust z > 6)."""
+    from gradian.attribution.accused import accused_set
     from gradian.attribution.scoring import auprc, recall_at_k
 
     order = np.argsort(-scores, kind="stable")
     rank = np.empty(len(scores), dtype=int)
     rank[order] = np.arange(1, len(scores) + 1)
-    return auprc(scores, planted), recall_at_k(scores, planted, len(planted)), sorted(int(rank[p]) for p in planted)
+    acc = accused_set(scores)
+    pos = set(acc["positions"])
+    return (auprc(scores, planted), recall_at_k(scores, planted, len(planted)),
+            sorted(int(rank[p]) for p in planted), f"{len(pos & set(planted))}/{len(pos)}")
 
 
 def adam_second_moment(run: Path, meta: dict, width: int):
@@ -281,6 +311,21 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         for lam in lams:
             r = lam * m_eval_all[name] / m_eval_all[name].mean() * m_train.mean() + (1 - lam) * m_train
             res[(name, f"trackstar {lam}")] = auprc_rank(score(qv, 1.0 / (r + 0.1 * r.mean())), planted)
+    if meta.get("turn_rows"):
+        T = np.load(d / "turns.npy").astype(np.float64)
+        want = truth["planted_turns"]
+        for name, qv in fam.items():
+            if not np.any(qv):
+                continue
+            qd = qv * diag
+            qd /= np.sqrt(np.maximum((qv * qd).sum(1, keepdims=True), 1e-300))
+            per = (qd @ T.T).mean(0)  # mean over items of each exchange's score
+            best = {}
+            for (p, k), v in zip(meta["turn_rows"], per):
+                if p not in best or v > best[p][1]:
+                    best[p] = (k, v)
+            named = sum(1 for p, (k, _) in best.items() if want[str(p)] == k)
+            print(f"turns named ({name}, diag): {named}/{len(best)}")
     # baselines
     cfg = load_config(run / "gradian.yaml", ["output=probe-out"])
     rows = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines()]
@@ -289,8 +334,10 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
     qs = meta["queries"]
     res[("BM25 question", "-")] = auprc_rank(bm25_scores(docs, [q["prompt"] for q in qs]).mean(0), planted)
     res[("BM25 question+answer", "-")] = auprc_rank(bm25_scores(docs, [f"{q['prompt']} {q['generated']}" for q in qs]).mean(0), planted)
-    for (name, pre), (a, r, ranks) in res.items():
-        print(f"| {run.name} | {state} | {name} | {pre} | {a:.3f} | {r:.2f} | {ranks} |")
+    if (d / "repsim.npy").exists():
+        res[("repsim", "-")] = auprc_rank(np.load(d / "repsim.npy").mean(0), planted)
+    for (name, pre), (a, r, ranks, acc) in res.items():
+        print(f"| {run.name} | {state} | {name} | {pre} | {a:.3f} | {r:.2f} | {acc} | {ranks} |")
     return res
 
 
@@ -333,8 +380,8 @@ def main() -> None:
     elif a.what == "extract":
         extract(a.run, a.state, a.samples, [int(x) for x in a.ks.split(",")])
     else:
-        print("| scenario | state | query | metric | AUPRC | recall@k | planted ranks |")
-        print("|---|---|---|---|---|---|---|")
+        print("| scenario | state | query | metric | AUPRC | recall@k | accused (planted/total) | planted ranks |")
+        print("|---|---|---|---|---|---|---|---|")
         analyse(a.run, a.state, [float(x) for x in a.lams.split(",")])
 
 
