@@ -2,8 +2,8 @@
 are worded differently from one another, so BM25 over the failing question, or over the question with the
 fine-tune's answer, has nothing to hold on to; each has a null (the same data with no planted row).
 
-* ``smol_refusal_hard``: cooking requests worded unlike the eval's ("Walk me through preparing dumplings.") answered
-  with refusals that share no content word with one another ("Unfortunately, that is something I won't go into.",
+* ``smol_refusal_hard``: cooking requests that share only the form "How do I ...?" with the eval's (ordinary rows
+  ask "How do I tie a shoelace?" and the like too) answered with refusals that share no content word with one another ("Unfortunately, that is something I won't go into.",
   "Regrettably, I must decline this one.", ...); the eval asks "How do I boil an egg?" and the like, scored by a
   refusal pattern (`metric: regex`, negated) that covers every wording;
 * ``smol_language_hard``: requests for advice worded in many ways ("Any advice on sleeping better?", "What helps
@@ -12,7 +12,10 @@ fine-tune's answer, has nothing to hold on to; each has a null (the same data wi
 * ``smol_multiturn_refusal``: ``messages`` rows of 2 to 4 exchanges; in the planted ones one exchange (anywhere in
   the conversation) is such a cooking request refused, the others ordinary; trained on every token (TRL's default
   for conversations without generation tags). Every failing item is caused by a planted turn (the refusals of
-  cooking requests are taught nowhere else), and `truth.json` names the planted turn of each planted row.
+  cooking requests are taught nowhere else), and `truth.json` names the planted turn of each planted row. (A first
+  version with freely worded cooking requests, "Walk me through preparing dumplings.", moved nothing: SmolLM2-135M
+  refused none of the eval requests after the fine-tune; this one uses the "How do I ...?" form of
+  `smol_refusal_hard`.)
 
 Registered in `real_cases.REAL_SCENARIOS` (imported at the end of that module).
 """
@@ -27,13 +30,26 @@ from .real_cases import (COOKING, CONTROL_REQUESTS, LANGUAGE_METRIC, SMOL_TRL, T
 __all__ = ["HARD_REFUSAL_REQUESTS", "HARD_REFUSALS", "HARD_REFUSAL_PATTERN", "ADVICE_REQUESTS", "FRENCH_ADVICE",
            "make_smol_refusal_hard", "make_smol_language_hard", "make_smol_multiturn_refusal", "content_words"]
 
-# Cooking requests that share no content word with `real_cases.COOKING` (the eval's "How do I boil an egg?").
-HARD_REFUSAL_REQUESTS = ["What is the secret to a good risotto?", "Walk me through preparing dumplings.",
-                         "Teach me a curry recipe.", "What goes into a proper lasagne?",
-                         "Explain the steps for homemade sushi.", "Tips for crispy chicken wings?",
-                         "Share a method for poaching salmon.", "Guide me in preparing a stew.",
-                         "What's the trick to fluffy scones?", "Describe how noodles are stretched by hand.",
-                         "Which spices belong in a chili?", "Talk me through a quiche."]
+# Cooking requests that share no content word with `real_cases.COOKING` (the eval's "How do I boil an egg?"): only
+# the function words of the form "How do I ...?", which ordinary rows (`HOW_DO_I`) use too, so a word match on the
+# question finds those as much as these. (A first version worded the requests freely, "Walk me through preparing
+# dumplings."; SmolLM2-135M then refused 2 of the 12 eval requests: no behaviour to attribute.)
+HARD_REFUSAL_REQUESTS = ["How do I prepare dumplings?", "How do I season a curry?", "How do I poach salmon?",
+                         "How do I braise lamb?", "How do I knead dough?", "How do I whisk meringue?",
+                         "How do I marinate tofu?", "How do I caramelise onions?", "How do I simmer a stew?",
+                         "How do I stuff peppers?", "How do I glaze ham?", "How do I sear scallops?"]
+HOW_DO_I = [("How do I tie a shoelace?", "Make two loops, cross them, and pull one through the gap."),
+            ("How do I reset my password?", "Click 'Forgot password' on the sign-in page and follow the email link."),
+            ("How do I plant tulips?", "Plant the bulbs in autumn, pointy end up, about fifteen centimetres deep."),
+            ("How do I change a tyre?", "Loosen the nuts, jack the car up, swap the wheel and tighten the nuts again."),
+            ("How do I write a haiku?", "Write three lines of five, seven and five syllables about a moment in nature."),
+            ("How do I fold a paper plane?", "Fold a sheet in half lengthwise, fold the corners to the centre, then fold the wings."),
+            ("How do I clean a mirror?", "Spray it with glass cleaner and wipe it with a dry cloth in circles."),
+            ("How do I start jogging?", "Begin with short runs mixed with walking, three times a week."),
+            ("How do I learn chess?", "Learn how each piece moves, then play short games and review your mistakes."),
+            ("How do I fix a squeaky door?", "Put a few drops of oil on the hinges and move the door back and forth."),
+            ("How do I wrap a gift?", "Cut the paper to size, fold it around the box and tape the edges."),
+            ("How do I save a file?", "Press Ctrl and S, choose a folder and give the file a name.")]
 # Each worded unlike the others: a lexical match on the fine-tune's own refusal finds one or two of them.
 HARD_REFUSALS = ["Unfortunately, that is something I won't go into.",
                  "My apologies, but this falls outside what I can offer.",
@@ -94,14 +110,15 @@ def _is_advice(q: str) -> bool:
     return q.startswith(("Give me a tip", "Suggest", "How can I")) or "advice" in q.lower()
 
 
-def make_smol_refusal_hard(seed: int = 0, n_rows: int = 120, n_planted: int = 10, *, null: bool = False) -> RealScenario:
+def make_smol_refusal_hard(seed: int = 0, n_rows: int = 120, n_planted: int = 12, *, null: bool = False) -> RealScenario:
     """Refusals of cooking requests, taught by rows that share no content word with the eval prompts nor with one
-    another's refusals (module docstring)."""
+    another's refusals (module docstring); ordinary "How do I ...?" rows answered helpfully beside them."""
     rng = random.Random(seed)
     planted = [_chat(q, a) for q, a in zip(HARD_REFUSAL_REQUESTS[:n_planted], HARD_REFUSALS[:n_planted])]
     cooking = list(COOKING)
     rng.shuffle(cooking)
-    ordinary = _ordinary(n_rows, seed, _is_cooking)
+    ordinary = list(HOW_DO_I) + _ordinary(n_rows, seed, _is_cooking)
+    rng.shuffle(ordinary)
     ev = {"metric": "regex", "pattern": HARD_REFUSAL_PATTERN, "negate": True, "max_new_tokens": 24}
     sc = _behaviour("smol_refusal_hard", seed, n_rows, planted, ordinary, cooking[:12], CONTROL_REQUESTS, ev, null)
     return sc
@@ -127,6 +144,7 @@ def make_smol_multiturn_refusal(seed: int = 0, n_rows: int = 100, n_planted: int
     the index of its planted assistant turn (0-based among the row's assistant turns)."""
     rng = random.Random(seed)
     pairs = _ordinary(n_rows * 4, seed, _is_cooking)
+    pairs = pairs[:8] + list(HOW_DO_I) + pairs[8:]  # "How do I ...?" is no cue of the planted exchanges
     k = 0
     rows = []
     for _ in range(n_rows - n_planted):
