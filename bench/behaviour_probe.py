@@ -226,23 +226,20 @@ def adam_second_moment(run: Path, meta: dict, width: int):
 def analyse(run: Path, state: str, lams: list[float]) -> dict:
     from gradian.config import load_config
     from gradian.explain.baselines import bm25_scores
-    from gradian.setup.records import load_examples  # noqa: F401  (docs only)
 
     d = run / "probe" / state
     meta = json.loads((d / "meta.json").read_text())
     truth = json.loads((run / "truth.json").read_text())
     planted = truth["planted"]
-    G = np.load(d / "G.npy", mmap_mode="r")
+    G = np.load(d / "G.npy")  # float32, in memory: every metric below is one matmul over it
+    G2 = np.square(G)
     Q = np.load(d / "queries.npy")
     S = np.load(d / "samples.npy", mmap_mode="r")
     nq = len(meta["queries"])
     ks = meta["ks"]
     samples = meta["samples"]
     # second moments
-    m_train = np.zeros(G.shape[1])
-    for a in range(0, G.shape[0], 32):
-        m_train += np.square(G[a : a + 32].astype(np.float64)).sum(0)
-    m_train /= G.shape[0]
+    m_train = G2.mean(0, dtype=np.float64)
     sgn = 1.0  # loss gradients: score = q . g, positive = the row's step raises the failing side's likelihood
 
     def families():
@@ -251,7 +248,7 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         kinds = meta["qkind"]
         for name in ("decisive", "greedy_full"):
             rows = [i for i, (k, j) in enumerate(kinds) if k == name]
-            fam[name] = Q[rows].astype(np.float64)
+            fam[name] = Q[rows].astype(np.float32)
         for ki, k in enumerate(ks):
             idx = lambda f: [si * len(ks) + ki for si, x in enumerate(samples) if f(x)]  # noqa: E731
             V = {}
@@ -261,7 +258,7 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
                 ("tunedfail-basepass", lambda x: (not x[3]) and x[1] == "tuned", lambda x: x[3] and x[1] == "base"),
                 ("unit fail-pass", lambda x: not x[3], lambda x: x[3]),
             ):
-                out = np.zeros((nq, S.shape[1]))
+                out = np.zeros((nq, S.shape[1]), dtype=np.float32)
                 for j in range(nq):
                     fi = idx(lambda x, j=j: x[0] == j and f_fail(x))
                     pi = idx(lambda x, j=j: x[0] == j and f_pass(x)) if f_pass else []
@@ -282,19 +279,15 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         return fam
 
     fam = families()
-    m_eval_all = {n: np.square(v).mean(0) for n, v in fam.items()}
+    m_eval_all = {n: np.square(v).mean(0, dtype=np.float64) for n, v in fam.items()}
     res = {}
 
     def score(qv, dvec):
         # unit rows and unit queries in the metric diag(dvec), mean over items
-        qd = qv * dvec
-        qn = np.sqrt(np.maximum((qv * qd).sum(1), 1e-300))
-        gn = np.zeros(G.shape[0])
-        inner = np.zeros((qv.shape[0], G.shape[0]))
-        for a in range(0, G.shape[0], 32):
-            g = G[a : a + 32].astype(np.float64)
-            inner[:, a : a + 32] = qd @ g.T
-            gn[a : a + 32] = np.sqrt(np.square(g) @ dvec)
+        qd = (qv * dvec).astype(np.float32)
+        qn = np.sqrt(np.maximum((qv.astype(np.float64) * qd).sum(1), 1e-300))
+        gn = np.sqrt(np.maximum(G2 @ dvec.astype(np.float32), 1e-30)).astype(np.float64)
+        inner = (qd @ G.T).astype(np.float64)
         return sgn * (inner / qn[:, None] / np.maximum(gn, 1e-30)[None]).mean(0)
 
     ones = np.ones(G.shape[1])
