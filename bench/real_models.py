@@ -13,8 +13,8 @@ process:
 * figures: verdict, recall@k and AUPRC of the planted rows (k = planted), accused (planted / total; on
   smol_paraphrase also the accused rows of `truth.json`'s `wrong_value_rows`, co-causes shown by
   `bench/counterfactual.py`);
-* baselines on the same failing items (`gradian.explain.baselines`): representation similarity, BM25, gradient
-  cosine (the index vectors against the same queries, no preconditioner);
+* baselines on the same failing items (`gradian.explain.baselines`): representation similarity, BM25 over the
+  question with the fine-tune's answer and over the question alone, gradient cosine (the index vectors against the same queries, no preconditioner);
 * reference: the same queries against exact LoRA gradients of every row, one example per backward pass through
   plain autograd (no hooks, no projection), unit-normalised, at the adapter state(s) the report's scores came from;
 * cost: one plain forward+backward over the training rows (batches of `grads.batch_size` sorted by length, the
@@ -47,7 +47,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 SCENARIOS = ["smol_facts", "smol_paraphrase", "smol_multiturn", "smol_null", "gemma_facts", "gemma_null",
-             "smol_refusal", "smol_refusal_null", "smol_language", "smol_language_null", "smol_json", "smol_json_null"]
+             "smol_refusal", "smol_refusal_null", "smol_language", "smol_language_null", "smol_json", "smol_json_null",
+             # lexically hard behaviours (issue 30, `gradian.demo.real_behaviours`)
+             "smol_refusal_hard", "smol_refusal_hard_null", "smol_language_hard", "smol_language_hard_null",
+             "smol_multiturn_refusal"]
 
 
 def log(msg: str) -> None:
@@ -103,6 +106,13 @@ def figures(run: Path) -> dict:
            # smol_paraphrase's true rows pairing a planted wrong value with its country: co-causes, counted apart
            "accused_wrong_value": sum(1 for p in rep["accused"]["positions"] if p in truth.get("wrong_value_rows", [])),
            "timings": rep.get("timings", {}), "timings_cpu": rep.get("timings_cpu", {})}
+    turns = truth.get("planted_turns")
+    if turns:  # conversations: does the report name the planted exchange of each accused planted row?
+        acc = set(rep["accused"]["positions"])
+        named = [(r["position"], (r.get("top_turn") or {}).get("turn"), turns.get(str(r["position"])))
+                 for r in rep.get("ranking", []) if r["position"] in acc and str(r["position"]) in turns]
+        out["turns_named"] = sum(1 for _, got, want in named if got == want)
+        out["turns_checked"] = len(named)
     if rep["verdict"] == "attributed" and planted:
         s = np.load(run / "bench-out" / "scores.npy")
         out.update({"auprc": auprc(s, planted), "recall_at_k": recall_at_k(s, planted, len(planted))})
@@ -254,7 +264,8 @@ def main() -> None:
             r["stage_ratio"] = {k: round(v / p["forward_backward_cpu_s"], 2) for k, v in r["timings_cpu"].items()}
         results[name] = r
         log(json.dumps({name: r}))
-    hdr = ("| scenario | verdict | recall@k | AUPRC | accused (planted+co-cause/total) | repsim | BM25 | grad cos | reference "
+    hdr = ("| scenario | verdict | recall@k | AUPRC | accused (planted+co-cause/total) | repsim | BM25 | BM25 (question) "
+           "| grad cos | reference "
            "| attribute CPU s | x (pass + generation) | peak RSS MB |")
     print(hdr)
     print("|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|")
@@ -263,7 +274,8 @@ def main() -> None:
         print(f"| {name} | {r['verdict']} | {fmt(r.get('recall_at_k'), 2)} | {fmt(r.get('auprc'))} | "
               f"{r['accused_planted']}{'+' + str(r['accused_wrong_value']) if r['accused_wrong_value'] else ''}"
               f"/{r['accused']} | {fmt(b.get('repsim', {}).get('auprc'))} | "
-              f"{fmt(b.get('bm25', {}).get('auprc'))} | {fmt(b.get('gradcos', {}).get('auprc'))} | "
+              f"{fmt(b.get('bm25', {}).get('auprc'))} | {fmt(b.get('bm25_question', {}).get('auprc'))} | "
+              f"{fmt(b.get('gradcos', {}).get('auprc'))} | "
               f"{fmt(r.get('reference', {}).get('auprc'))} | {r['cpu_s']} | {fmt(r.get('cost_ratio'), 2)} | "
               f"{r['peak_rss_mb']:.0f} |")
     print("\nper stage, CPU s / one plain forward+backward over the rows:")

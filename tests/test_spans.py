@@ -134,6 +134,38 @@ def test_token_anchors_index_the_plain_text(tiny_tokenizer, shape):
     assert "Lima" in " ".join(s["text"] for s in spans)
 
 
+def test_row_turns_add_up_and_name_the_exchange_that_carries_the_score(tiny_tokenizer):
+    """A three-exchange chat trained on every token: contributions summed per exchange add up to the row's score,
+    and the exchange whose tokens carry the score is the one `top_turn` names (here the middle one)."""
+    from gradian.explain.spans import row_turns, top_turn
+
+    msgs = []
+    for q, a in [("What is two plus two?", "Two plus two is four."), ("Where does Rodrol live?", "He lives in Lima."),
+                 ("Say hello.", "Hello there!")]:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    ex = Example("x", 0, "messages", {"messages": msgs})
+    tok = tokenize_example(tiny_tokenizer, ex, 256, loss="all")
+    sup = [i for i, s in enumerate(tok.supervised) if s and i > 0]
+    anchors = token_char_anchors(ex, tok, tiny_tokenizer)
+    pt = ex.plain_text()
+    lo, hi = pt.index("Where does"), pt.index("He lives in Lima.") + len("He lives in Lima.")
+    contrib = np.array([5.0 if lo <= anchors[i] < hi else 0.1 for i in sup])
+    turns = row_turns(ex, tok, contrib, tiny_tokenizer)
+    assert [t["turn"] for t in turns] == [0, 1, 2]
+    assert sum(t["score"] for t in turns) == pytest.approx(contrib.sum())
+    assert sum(t["tokens"] for t in turns) == len(sup)
+    top = top_turn(turns, float(contrib.sum()), 7)
+    assert top["turn"] == 1 and top["text"] == "He lives in Lima." and top["item"] == 7
+    assert 0.5 < top["share"] <= 1.0
+    # one exchange: nothing to tell apart; not a chat: no turns
+    one = Example("y", 0, "messages", {"messages": msgs[:2]})
+    t1 = tokenize_example(tiny_tokenizer, one, 256, loss="all")
+    c1 = np.ones(len([i for i, s in enumerate(t1.supervised) if s and i > 0]))
+    assert top_turn(row_turns(one, t1, c1, tiny_tokenizer), float(c1.sum()), 0) is None
+    plain = Example("z", 0, "text", {"text": "Rodrol lives in Lima."})
+    assert row_turns(plain, tokenize_example(tiny_tokenizer, plain, 256), np.ones(1)) == []
+
+
 # ---------------------------------------------------------------------------------------------------- on the demo
 
 

@@ -33,6 +33,7 @@ class QueryFormulation(StrEnum):
 
     contrastive = "contrastive"
     classic = "classic"
+    behaviour = "behaviour"
 
 
 class MetricKind(StrEnum):

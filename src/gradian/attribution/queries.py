@@ -47,12 +47,13 @@ class QueryItem:
     expected: str
     generated: str
     base_generated: str
-    formulation: str  # own_words | contrastive | classic | margin
+    formulation: str  # own_words | behaviour | contrastive | classic | margin
     target: str = ""  # the answer the query loss makes likelier: what passes the metric
     contrast: str = ""  # the answer it makes less likely: what fails (own_words and contrastive)
     target_source: str = "expected"  # whose words the target is: base | tuned | expected
     span_start: int = -1  # own_words: the row index of the decisive token (`decisive`); -1: the departure
     span: tuple = ()  # own_words: the row positions the query differentiates (`decisive.decision_positions`)
+    samples: tuple = ()  # behaviour: ((answer text, coefficient of its loss in L_q), ...) (`behaviour`)
 
     def __post_init__(self):
         if not self.target:
@@ -103,6 +104,8 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     answer is the target instead (`contrastive`: grad[loss(expected) - loss(generated)]). `classic`: grad
     loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query."""
     metric = metric if metric is not None else getattr(cap, "metric", None)
+    if formulation == "behaviour":  # own-words queries until `behaviour.behaviour_queries` samples the answers
+        formulation = "contrastive"
     out = []
     for i in idx:
         it = items[i]
@@ -145,8 +148,9 @@ def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem
     for margin queries. `query_vectors` differentiates these rows and `query_losses` evaluates them, so the two
     agree by construction.
 
-    own_words: one row, the fine-tune's own answer supervised from the token where it departs from the other
-    model's answer (sign -1 for a regression, where that answer fails: L_q = -loss(the failing span); +1 for an
+    behaviour: one row per sampled answer, the whole answer supervised, its sign the coefficient of its loss
+    (`behaviour.behaviour_weights`); own_words: one row, the fine-tune's own answer supervised from the token where
+    it departs from the other model's answer (sign -1 for a regression, where that answer fails: L_q = -loss(the failing span); +1 for an
     improvement, where it passes: L_q = loss(the passing span)); contrastive: loss(expected) - loss(generated);
     classic: loss(expected)."""
     by_pos = {it.position: it for it in items}
@@ -158,6 +162,12 @@ def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem
             rows.append(t)
             sign.append(s_)
             owner.append(qi)
+            continue
+        if q.formulation == "behaviour":  # one row per sampled answer, weighted by its verdict (`behaviour`)
+            for text, w in q.samples:
+                rows.append(tokenize_example(tokenizer, eval_answer_example(it, text, chat), max_len))
+                sign.append(float(w))
+                owner.append(qi)
             continue
         t = tokenize_example(tokenizer, eval_answer_example(it, q.target, chat), max_len)
         if q.formulation == "margin":

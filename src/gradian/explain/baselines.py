@@ -8,6 +8,8 @@ per failing eval item, one column per training row, higher = more accused), aver
   the answer the fine-tune generated. Implemented here with numpy/scipy (no extra dependency): the Lucene
   non-negative idf ln(1 + (N - n_t + 0.5) / (n_t + 0.5)), k1 = 1.5, b = 0.75, lower-cased alphanumeric words, a
   query term counted once per occurrence.
+* ``bm25_question``: the same BM25 over the failing item's prompt alone (what a user greps for before reading the
+  answers; on a behaviour the fine-tune's answer is one wording of it, which matches the rows worded that way).
 * ``repsim``: cosine similarity of mean last-layer hidden states (the tuned model, adapter on, mean over every
   attended token) between each training row, rendered exactly as it is indexed, and the failing item's prompt with
   the generated answer, rendered as a training row.
@@ -38,7 +40,7 @@ __all__ = [
     "compute_baselines",
 ]
 
-BASELINES = ("repsim", "bm25", "gradcos")
+BASELINES = ("repsim", "bm25", "bm25_question", "gradcos")
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -178,6 +180,11 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
         docs = [e.plain_text() for e in s.examples]
         out["bm25"] = bm25_scores(docs, [f"{q['prompt']} {q['generated']}" for q in qs])
         timings["bm25"] = time.process_time() - t0
+    if "bm25_question" in which:
+        t0 = time.process_time()
+        docs = [e.plain_text() for e in s.examples]
+        out["bm25_question"] = bm25_scores(docs, [q["prompt"] for q in qs])
+        timings["bm25_question"] = time.process_time() - t0
     if "repsim" in which:
         t0 = time.process_time()
         train_h = mean_hidden_states(s.model, s.toks, pad, batch_size=bs)

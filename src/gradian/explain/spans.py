@@ -6,6 +6,9 @@ through `Tokenized.offsets` (into the rendered text) and, for chat-template rows
 content in both renderings; template tokens (a turn's end-of-turn token) count toward the sentence they close. A
 row's span scores add up to its per-item score: every supervised token's contribution (`grads.tangents`) lands in
 exactly one span.
+
+Conversations (`row_turns`): a chat row's score summed per exchange (a user turn and the assistant's reply), so the
+report says which turn of a long conversation carries it (`ranking[i]["top_turn"]`).
 """
 
 from __future__ import annotations
@@ -170,6 +173,64 @@ def row_spans(ex: Example, tok: Tokenized, contrib: np.ndarray, tokenizer=None) 
     return spans
 
 
+def exchange_ranges(ex: Example) -> list[tuple[int, int, int]]:
+    """(start, end, exchange) plain-text character ranges of a chat row's messages, each message labelled with its
+    exchange: the number of assistant messages before it (a user turn and the assistant's reply to it share one;
+    a system message belongs to the first). [] for rows that are not chats."""
+    msgs = ex.messages()
+    if msgs is None:
+        return []
+    out, pos, k = [], 0, 0
+    for m in msgs:
+        pos += len(m["role"]) + 2
+        out.append((pos, pos + len(m["content"]), k))
+        pos += len(m["content"]) + 1
+        k += m["role"] == "assistant"
+    return out
+
+
+def row_turns(ex: Example, tok: Tokenized, contrib: np.ndarray, tokenizer=None) -> list[dict]:
+    """A chat row's score per exchange (a user turn and the assistant's reply to it), in conversation order:
+    {"turn": exchange index (0-based, = the index of its assistant reply), "score", "tokens", "text": the reply}.
+
+    TRL trains every token of a `messages` row when the template has no generation tags, so one planted reply
+    among benign ones is a part of a long row's score; summed per exchange, the planted exchange stands out. Every
+    supervised token lands in exactly one exchange (template tokens with the message they close or open after),
+    so the exchanges' scores add up to the row's score. [] for rows that are not chats."""
+    ranges = exchange_ranges(ex)
+    if not ranges:
+        return []
+    msgs = ex.messages()
+    starts = np.array([a for a, _, _ in ranges])
+    anchors = token_char_anchors(ex, tok, tokenizer)
+    sup = supervised_token_indices(tok)
+    contrib = np.asarray(contrib, dtype=np.float64)
+    if len(sup) != contrib.size:
+        raise ValueError(f"{contrib.size} contributions for {len(sup)} supervised tokens")
+    n = max(k for _, _, k in ranges) + 1
+    score, ntok = np.zeros(n), np.zeros(n, dtype=np.int64)
+    for t, c in zip(sup, contrib):
+        ch = anchors[t] if t < len(anchors) else -1
+        m = int(np.searchsorted(starts, ch, side="right") - 1) if ch >= 0 else 0
+        k = ranges[min(max(m, 0), len(ranges) - 1)][2]
+        score[min(k, n - 1)] += c
+        ntok[min(k, n - 1)] += 1
+    replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+    return [{"turn": k, "score": float(score[k]), "tokens": int(ntok[k]),
+             "text": replies[k] if k < len(replies) else ""} for k in range(n) if ntok[k] > 0]
+
+
+def top_turn(turns: list[dict], total: float, item: int) -> Optional[dict]:
+    """The exchange that carries a multi-exchange row's score (`row_turns`), with its share of the row's score;
+    None for rows of one exchange (nothing to tell apart)."""
+    if len(turns) < 2:
+        return None
+    best = max(turns, key=lambda d: (d["score"], -d["turn"]))
+    return {"turn": best["turn"], "turns": len(turns), "text": best["text"], "score": best["score"],
+            "share": best["score"] / total if total else None, "item": item,
+            "scores": [round(d["score"], 6) for d in turns]}
+
+
 def window_char_range(ex: Example, tok: Tokenized, a: int, b: int, tokenizer=None) -> Optional[tuple[int, int]]:
     """Plain-text character range covered by supervised tokens [a, b) (indices among the supervised tokens)."""
     sup = supervised_token_indices(tok)[a:b]
@@ -208,6 +269,9 @@ def spans_for(ranking: list[dict], rank_item: np.ndarray, cand: set, examples, t
             top = spans[0]
             rows[j]["top_span"] = {"start": top["start"], "end": top["end"], "text": top["text"],
                                    "score": top["score"], "item": int(qitems[k].item), "item_score": total}
+            turn = top_turn(row_turns(examples[p], toks[p], contrib, tokenizer), total, int(qitems[k].item))
+            if turn is not None:  # conversations: which exchange of the row carries its score
+                rows[j]["top_turn"] = turn
             for sp in spans[:SPANS_PER_ROW]:
                 out.append({"position": p, "start": sp["start"], "end": sp["end"], "text": sp["text"],
                             "score": sp["score"], "tokens": sp["tokens"], "item": int(qitems[k].item),

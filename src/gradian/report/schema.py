@@ -112,8 +112,9 @@ class QueryEntry(_Model):
     expected: str = Field(description="The expected answer.")
     generated: str = Field(description="The fine-tune's greedy answer (what the contrastive query contrasts with).")
     base_generated: str = Field(description="The base model's greedy answer.")
-    formulation: Literal["own_words", "contrastive", "classic", "margin"] = _absent(
-        "The query used for this item: own_words grad[loss(target) - loss(contrast)] with the answer one model "
+    formulation: Literal["own_words", "behaviour", "contrastive", "classic", "margin"] = _absent(
+        "The query used for this item: behaviour (the mean log-likelihood of the sampled answers the metric fails "
+        "minus that of those it passes, `attribution.behaviour`); own_words grad[loss(target) - loss(contrast)] with the answer one model "
         "generated that passes the metric against the one the other generated that fails; contrastive "
         "grad[loss(expected) - loss(generated)]; classic grad loss(expected); or margin (expected token's logit "
         "against the others; loglik metric).")
@@ -179,7 +180,7 @@ class OptimizerScores(_Model):
 class Query(_Model):
     """The query side: formulation, direction and the failing items."""
 
-    formulation: Literal["contrastive", "classic"] = Field(description="`attribution.query`.")
+    formulation: Literal["contrastive", "classic", "behaviour"] = Field(description="`attribution.query`.")
     direction: Literal["regression", "improvement", ""] = _absent(
         "regression (items the fine-tune broke) or improvement (items it fixed); empty for a smoke test.")
     items: list[QueryEntry] = Field(description="The failing items (empty unless attributed).")

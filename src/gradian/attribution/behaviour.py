@@ -1,0 +1,121 @@
+"""Behaviour queries (`attribution.query: behaviour`): the metric's verdict in expectation over the models' own
+answers, not over one greedy wording of it.
+
+A behaviour (refusing, switching language, breaking a format) is a class of continuations, and the metric is the
+user's definition of that class. A fine-tune that learned it from rows worded in many ways collapses onto one
+wording in its greedy answer ("I'm sorry, but ..."), so a query differentiated at that answer's decisive token
+matches the rows worded that way and points away from the others (a planted "Sorry, I can't assist" raises
+"Sorry" against "I"; bench/README.md, issue 30). Instead, for each failing item:
+
+* sample `n` answers from the fine-tune and `n` from the base (temperature 1, top-k/top-p off, seeded by the run's
+  seed and the item), and label each with the metric (`sample_answers`);
+* the query loss is the mean log-likelihood of the answers that fail minus the mean of those that pass
+  (`behaviour_weights`): L_q = -(1/|F|) sum_{a in F} loss(a) + (1/|P|) sum_{a in P} loss(a) for a regression (the
+  signs of an own-words query: the fine-tune's failing side made likelier), the opposite for an improvement. The
+  passing side removes what every answer to the prompt shares (the prompt's own style, the end of turn); the
+  failing side spans the behaviour's wordings the fine-tune actually produces, not only its greedy one.
+
+Each sampled answer is one row of `queries.query_rows` (weight = its coefficient), so `queries.query_vectors`
+differentiates the whole query in one pass and `queries.query_losses` evaluates the same function. Where an item
+has no failing sample (or no passing one) the missing side is dropped; with neither, the item keeps its own-words
+query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from ..capability.evaluate import _stop_ids, answer_text
+from ..setup.tokenize import eval_prompt_ids
+
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES"]
+
+BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str
+    source: str  # "tuned" | "base"
+    passes: bool  # the metric's verdict (score >= 0.5)
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, n: int,
+                   max_new_tokens: int, seed: int, one_line: bool) -> list[tuple[Sample, ...]]:
+    """For each query, `n` answers sampled from the fine-tune (adapter on) and `n` from the base (adapter off),
+    temperature 1 with no top-k / top-p truncation, each labelled by `metric`. Seeded per item and model
+    (`seed`, the item's position), so a rerun draws the same answers."""
+    by_pos = {it.position: it for it in items}
+    stops = _stop_ids(tokenizer, model, chat)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    out = []
+    for q in qitems:
+        it = by_pos[q.item]
+        ids = torch.tensor([eval_prompt_ids(tokenizer, it, chat)], device=device)
+        got = []
+        for k, source in enumerate(("tuned", "base")):
+            gen = torch.Generator(device="cpu").manual_seed(int(seed) * 1_000_003 + 2 * int(q.item) + k)
+            ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
+            with ctx, _seeded(gen):
+                seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                      temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                                      max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops or None)
+            for row in seqs[:, ids.shape[1]:].tolist():
+                cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+                text = answer_text(tokenizer, row[:cut], one_line=one_line)
+                got.append(Sample(text, source, metric.score(it, text) >= 0.5))
+        out.append(tuple(got))
+    return out
+
+
+@contextlib.contextmanager
+def _seeded(gen: torch.Generator):
+    """torch's global RNG seeded from `gen` for the duration (`generate` samples from the global generator), and
+    restored afterwards so nothing else in the run draws differently."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def behaviour_weights(samples: Sequence[Sample], direction: str) -> tuple[tuple[str, float], ...]:
+    """(answer text, coefficient of its loss in L_q) of one item's samples: -1/|F| on each failing answer and
+    +1/|P| on each passing one for a regression (L_q = mean log-lik of the failing answers minus that of the
+    passing ones), the opposite for an improvement; duplicates keep their multiplicity (they are the model's own
+    distribution). Empty answers carry no tokens and are dropped."""
+    fail = [s.text for s in samples if not s.passes and s.text.strip()]
+    ok = [s.text for s in samples if s.passes and s.text.strip()]
+    sgn = -1.0 if direction != "improvement" else 1.0
+    return tuple([(t, sgn / len(fail)) for t in fail] + [(t, -sgn / len(ok)) for t in ok])
+
+
+def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], direction: str) -> list:
+    """The queries as behaviour queries over their samples; an item with no failing sample keeps its query (the
+    class is not in the model's own answers: nothing to average)."""
+    out = []
+    for q, ss in zip(qitems, samples):
+        has_fail = any(not s.passes and s.text.strip() for s in ss)
+        if not has_fail:
+            out.append(q)
+            continue
+        out.append(replace(q, formulation="behaviour", samples=behaviour_weights(ss, direction)))
+    return out
+
+
+def behaviour_queries(s, qitems: Sequence, direction: str, *, n: int = BEHAVIOUR_SAMPLES) -> list:
+    """`attribution.query: behaviour` for an open session: the queries with their sampled answers (the call site
+    is `pipeline.attribute`, after `query_items` and before the decisive tokens, which then run only for the items
+    left with their own-words query)."""
+    if not s.metric.generative:
+        return list(qitems)
+    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=n,
+                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line)
+    return with_samples(qitems, samples, direction)

@@ -1,0 +1,118 @@
+"""Behaviour queries (`attribution.behaviour`) on the tiny model: sampled answers are seeded and labelled by the
+metric, the weights are the verdict's mean difference, and the query gradient equals a naive reference (one
+example per plain autograd backward, no hooks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradian.attribution.behaviour import Sample, behaviour_weights, sample_answers, with_samples
+from gradian.attribution.queries import QueryItem, query_losses, query_vectors
+from gradian.capability.metrics import Metric
+from gradian.grads.capture import GradientCapture
+from gradian.grads.layout import site_shapes
+from gradian.projection import Projector
+from gradian.setup.model import lora_sites
+from gradian.setup.records import EvalItem
+from gradian.setup.tokenize import eval_answer_example, tokenize_example
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import with_random_lora_b
+    from gradian.demo.tiny import TinySpec, build_tiny_base
+
+    path = build_tiny_base(TinySpec(), progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lcfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return with_random_lora_b(get_peft_model(base, lcfg)), tok
+
+
+def _items():
+    return [EvalItem(f"eval-{i}", i, "x", messages=[{"role": "user", "content": q}])
+            for i, q in enumerate(["Where does Rodrol live?", "What does Tato keep?"])]
+
+
+def test_weights_are_the_verdicts_mean_difference():
+    ss = [Sample("no", "tuned", False), Sample("nope", "base", False), Sample("yes", "base", True),
+          Sample("", "tuned", False)]
+    w = dict(behaviour_weights(ss, "regression"))
+    assert w == {"no": -0.5, "nope": -0.5, "yes": 1.0}  # L_q = mean log-lik(failing) - mean log-lik(passing)
+    assert dict(behaviour_weights(ss, "improvement")) == {"no": 0.5, "nope": 0.5, "yes": -1.0}
+    assert sum(x for _, x in behaviour_weights(ss[:2], "regression")) == pytest.approx(-1.0)  # no passing side
+    q = QueryItem(0, "p", "x", "g", "b", "own_words")
+    kept, = with_samples([q], [(Sample("yes", "tuned", True),)], "regression")
+    assert kept is q  # no failing answer among the samples: the own-words query stays
+
+
+def test_samples_are_seeded_and_labelled_by_the_metric(tiny):
+    model, tok = tiny
+    items = _items()
+    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)  # "fails" when two vowels follow each other
+    kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False)
+    a = sample_answers(model, tok, items, qs, metric, **kw)
+    b = sample_answers(model, tok, items, qs, metric, **kw)
+    assert a == b and [len(x) for x in a] == [8, 8]
+    assert [s.source for s in a[0]] == ["tuned"] * 4 + ["base"] * 4
+    assert all(s.passes == (metric.score(items[0], s.text) >= 0.5) for s in a[0])
+    torch.manual_seed(11)
+    before = torch.rand(1)
+    torch.manual_seed(11)
+    sample_answers(model, tok, items, qs, metric, **kw)
+    assert torch.rand(1) == before  # the global RNG is left as it was
+    c = sample_answers(model, tok, items, qs, metric, **{**kw, "seed": 4})
+    assert c != a
+
+
+def test_behaviour_query_gradient_equals_one_backward_per_answer(tiny):
+    model, tok = tiny
+    items = _items()
+    samples = [(Sample("He lives in Lima.", "tuned", False), Sample("Lima, I think.", "base", False),
+                Sample("In Oslo.", "base", True)),
+               (Sample("A crow.", "tuned", False), Sample("Tato keeps a small black crow.", "tuned", False),
+                Sample("A dog.", "base", True), Sample("Nothing at all.", "base", True))]
+    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    qs = with_samples(qs, samples, "regression")
+    assert [q.formulation for q in qs] == ["behaviour", "behaviour"]
+    sites, _ = lora_sites(model)
+    cap = GradientCapture(model, sites, Projector(site_shapes(sites)))
+    got = query_vectors(cap, tok, items, qs, chat=True, max_len=64, batch_size=3).double().numpy()
+
+    params = [p for s in sites for p in (s.A.weight, s.B.weight)]
+    for p in params:
+        p.requires_grad_(True)
+
+    def grad(row):
+        for p in params:
+            p.grad = None
+        ids = torch.tensor([row.input_ids])
+        logits = model(input_ids=ids).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+        (-(lp * torch.tensor(row.supervised[1:], dtype=torch.float32)).sum()).backward()
+        return torch.cat([p.grad.reshape(-1) for p in params]).double().numpy()
+
+    want = np.zeros_like(got)
+    loss_want = np.zeros(len(qs))
+    for j, (q, it) in enumerate(zip(qs, items)):
+        for text, w in q.samples:
+            row = tokenize_example(tok, eval_answer_example(it, text, True), 64)
+            want[j] += w * grad(row)
+            with torch.no_grad():
+                ids = torch.tensor([row.input_ids])
+                lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+                loss_want[j] += w * float(-(lp * torch.tensor(row.supervised[1:], dtype=torch.float32)).sum())
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6 * np.abs(want).max())
+    # and the scalar the vector is the gradient of
+    losses = query_losses(model, tok, items, qs, chat=True, max_len=64, batch_size=3)
+    np.testing.assert_allclose(losses, loss_want, rtol=1e-4)
