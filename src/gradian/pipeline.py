@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from .attribution.accused import accused_set, none_accused
+from .attribution.behaviour import behaviour_queries
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
@@ -25,7 +26,7 @@ from .attribution.scoring import Scores, aggregate, degenerate, rank
 from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
-from .config import Config, dump_config
+from .config import Config, QueryFormulation, dump_config
 from .distributed import current
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
@@ -99,7 +100,10 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
         return Queries((), ())
     qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), cfg.attribution.query,
                          metric=cfg.evaluation.metric, direction=outcome.direction)
-    if outcome.verdict == "attributed" and any(q.formulation == "own_words" for q in qitems):
+    if outcome.verdict == "attributed" and cfg.attribution.query is QueryFormulation.behaviour:
+        with s.log.stage("behaviour samples", guard="evaluate"):
+            qitems = behaviour_queries(s, qitems, outcome.direction)
+    if outcome.verdict == "attributed" and any(q.own_words for q in qitems):
         with s.log.stage("decisive tokens", guard="evaluate"):
             kw = dict(chat=s.chat, max_len=cfg.grads.max_seq_length)
             starts = decisive_starts(s.model, s.tokenizer, s.eval_items, qitems, s.metric,
@@ -110,7 +114,7 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
     if s.metric.scores_likelihood:
         for f in loglik_flags(qitems):
             s.flag(*f)
-    texts = tuple(span_text(s, q) if q.formulation == "own_words" and outcome.verdict == "attributed" else ""
+    texts = tuple(span_text(s, q) if q.own_words and outcome.verdict == "attributed" else ""
                   for q in qitems)
     return Queries(tuple(qitems), texts)
 

@@ -75,7 +75,7 @@ def decisive_starts(model, tokenizer, items: Sequence, qitems: Sequence, metric,
     stops = stop_tokens(tokenizer, model, chat)
     jobs = {}
     for j, q in enumerate(qitems):
-        if q.formulation != "own_words":
+        if not q.own_words:
             continue
         it = by_pos[q.item]
         t, o = answer_rows(tokenizer, it, q, chat=chat, max_len=max_len)
@@ -155,7 +155,7 @@ def decision_positions(model, tokenizer, items: Sequence, qitems: Sequence, star
     by_pos = {it.position: it for it in items}
     rows, spans = {}, {}
     for j, (q, k_dec) in enumerate(zip(qitems, starts)):
-        if q.formulation != "own_words" or k_dec < 0:
+        if not q.own_words or k_dec < 0:
             continue
         t, o = answer_rows(tokenizer, by_pos[q.item], q, chat=chat, max_len=max_len)
         k = min(departure(t, o), k_dec)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..capability.evaluate import CapabilityResult
+from ..config import MetricKind, metric_kind
 from ..capability.metrics import normalize_answer
 from ..grads.capture import GradientCapture
 from ..grads.objectives import margin_losses, per_example_loss
@@ -54,6 +55,11 @@ class QueryItem:
     span_start: int = -1  # own_words: the row index of the decisive token (`decisive`); -1: the departure
     span: tuple = ()  # own_words: the row positions the query differentiates (`decisive.decision_positions`)
     samples: tuple = ()  # behaviour: ((answer text, coefficient of its loss in L_q), ...) (`behaviour`)
+
+    @property
+    def own_words(self) -> bool:
+        """An own-words query (decisive tokens, a query span in the report)."""
+        return self.formulation == "own_words"
 
     def __post_init__(self):
         if not self.target:
@@ -106,6 +112,7 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     metric = metric if metric is not None else getattr(cap, "metric", None)
     if formulation == "behaviour":  # own-words queries until `behaviour.behaviour_queries` samples the answers
         formulation = "contrastive"
+    likelihood = metric is not None and metric_kind(str(metric)) is MetricKind.loglik
     out = []
     for i in idx:
         it = items[i]
@@ -113,7 +120,7 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
         base_gen = cap.base_generated[i] if cap.base_generated else ""
         f = formulation
         target, contrast, source = it.answer, "", "expected"
-        if f == "contrastive" and metric == "loglik":
+        if f == "contrastive" and likelihood:
             if not gen.strip() or normalize_answer(gen) == normalize_answer(it.answer):
                 f = "margin"
         elif f == "contrastive":

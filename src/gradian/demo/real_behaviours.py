@@ -17,7 +17,7 @@ fine-tune's answer, has nothing to hold on to; each has a null (the same data wi
   refused none of the eval requests after the fine-tune; this one uses the "How do I ...?" form of
   `smol_refusal_hard`.)
 
-Registered in `real_cases.REAL_SCENARIOS` (imported at the end of that module).
+Registered beside `real_cases.REAL_SCENARIOS` in `real_run.ALL_SCENARIOS`.
 """
 
 from __future__ import annotations

@@ -656,8 +656,3 @@ REAL_SCENARIOS.update({
     "smol_json": lambda seed=0, **kw: make_smol_json(seed, **kw),
     "smol_json_null": lambda seed=0, **kw: make_smol_json(seed, null=True, **kw),
 })
-
-# The lexically hard behaviours (issue 30) live in their own module, built from this one's pieces.
-from .real_behaviours import BEHAVIOUR_SCENARIOS  # noqa: E402
-
-REAL_SCENARIOS.update(BEHAVIOUR_SCENARIOS)

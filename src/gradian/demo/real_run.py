@@ -17,7 +17,17 @@ import yaml
 
 from ..io import atomic_write_text
 from .pretrained import pretrained_dir
-from .real_cases import RealScenario, make_real_scenario, write_real_scenario
+from .real_behaviours import BEHAVIOUR_SCENARIOS
+from .real_cases import REAL_SCENARIOS, RealScenario, write_real_scenario
+
+# Every real-model scenario: `real_cases`' and the lexically hard behaviours (issue 30) built from its pieces.
+ALL_SCENARIOS = {**REAL_SCENARIOS, **BEHAVIOUR_SCENARIOS}
+
+
+def make_real_scenario(name: str, seed: int = 0, **sizes) -> RealScenario:
+    if name not in ALL_SCENARIOS:
+        raise ValueError(f"unknown real-model scenario {name!r}; one of {', '.join(ALL_SCENARIOS)}")
+    return ALL_SCENARIOS[name](seed, **sizes)
 
 SCENARIO_FILE = "scenario.json"
 

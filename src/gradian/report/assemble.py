@@ -76,8 +76,8 @@ def query_entry(a: Attribution) -> dict:
             "item": qi.item, "prompt": qi.prompt, "expected": qi.expected, "generated": qi.generated,
             "base_generated": qi.base_generated, "formulation": qi.formulation, "target": qi.target,
             **({"contrast": qi.contrast} if qi.contrast else {}), "target_source": qi.target_source,
-            **({"query_span": text, "span_start": qi.span_start, "span": list(qi.span)}
-               if qi.formulation == "own_words" else {}),
+            **({"query_span": text, "span_start": qi.span_start, "span": list(qi.span)} if qi.own_words else {}),
+            **({"samples": [[t, w] for t, w in qi.samples]} if qi.samples else {}),
             "ranking": [{"position": int(p), "score": float(rrow[p]),
                          **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
             **m,

@@ -99,7 +99,7 @@ def load_run(run_dir: Path | str) -> tuple[dict[str, Any], dict[str, Any] | None
     """Read ``report.json`` (required), ``verify.json`` and ``fidelity.json`` (optional) from a run dir.
 
     When ``scores.npy`` sits beside the report and the report has no ``all_scores``, every row's score is
-    loaded (``allow_pickle=False``) into ``report["all_scores"]`` so the histogram is drawn from the full data
+    loaded (``allow_pickle=False``) into the returned report's ``all_scores`` so the histogram is drawn from the full data
     and planted rows outside the ranking can be placed.
     """
     run_dir = Path(run_dir)
@@ -121,5 +121,5 @@ def load_run(run_dir: Path | str) -> tuple[dict[str, Any], dict[str, Any] | None
         except (OSError, ValueError) as exc:
             raise GradianError(f"{scores_path}: cannot be read ({exc})") from exc
         if arr.ndim == 1 and arr.dtype.kind == "f":
-            report["all_scores"] = arr
+            report = {**report, "all_scores": arr}  # a reader's copy: report.json's dict is not edited
     return report, verify, fidelity

@@ -21,7 +21,8 @@ from .schema import QueryEntry, Report
 REPORT_FILE = "report.json"
 
 # report.json holds JSON values; these QueryItem fields are not the JSON type they are read as
-_AS_FIELD: dict[str, Callable[[Any], Any]] = {"span": tuple}
+_AS_FIELD: dict[str, Callable[[Any], Any]] = {"span": tuple,
+                                             "samples": lambda v: tuple((str(t), float(w)) for t, w in v)}
 
 
 def load_report(run_dir: Path | str) -> Report:

@@ -15,8 +15,8 @@ def print_summary(report: dict, console: Console | None = None, rows: int = 10) 
             f"[bold]capability[/bold] {cap['metric']}: base {cap['base']:.3f} -> tuned {cap['tuned']:.3f}, "
             f"delta {cap['delta']:+.3f} ({int(cap['confidence'] * 100)}% CI [{lo:+.3f}, {hi:+.3f}], n={cap['n']})"
         )
-    style = {"attributed": "green", "declined": "yellow", "smoke_test": "magenta"}.get(report["verdict"], "white")
-    console.print(f"[bold {style}]verdict: {report['verdict']}[/] — {report.get('verdict_text', '')}")
+    style = {"attributed": "green", "declined": "yellow", "smoke_test": "magenta"}.get(report.get("verdict"), "white")
+    console.print(f"[bold {style}]verdict: {report.get('verdict')}[/] — {report.get('verdict_text', '')}")
     for f in report.get("flags", []):
         console.print(f"  [{'red' if f['level'] == 'error' else 'yellow' if f['level'] == 'warning' else 'dim'}]"
                       f"{f['level']}[/] {f['id']}: {f['message']}")
@@ -32,7 +32,7 @@ def print_summary(report: dict, console: Console | None = None, rows: int = 10) 
                       _fmt(r.get("base_loss")), _fmt(r.get("tuned_loss")), _escape(r["preview"][:90]) + mark)
         console.print(t)
     acc = report.get("accused")
-    if acc is not None and report["verdict"] == "attributed":
+    if acc is not None and report.get("verdict") == "attributed":
         console.print(f"[bold]accused:[/] {acc['count']} row{'' if acc['count'] == 1 else 's'} ({acc['rule']})")
 
 
