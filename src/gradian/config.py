@@ -53,7 +53,12 @@ PYTHON_METRIC_PREFIX = "python:"
 def metric_kind(name: str) -> MetricKind:
     """The kind of a metric name: ``python`` for python:module:function, else the builtin it names (ValueError
     when it names none)."""
-    return MetricKind.python if str(name).startswith(PYTHON_METRIC_PREFIX) else MetricKind(name)
+    if str(name).startswith(PYTHON_METRIC_PREFIX):
+        return MetricKind.python
+    kind = MetricKind(name)
+    if kind is MetricKind.python:  # the kind alone names no function
+        raise ValueError(f"{name!r} is not a metric name; a Python metric is written python:module:function")
+    return kind
 
 
 class ProjectionKind(StrEnum):
