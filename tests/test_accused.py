@@ -59,14 +59,20 @@ def test_verify_drops_the_accused_set_by_default(tmp_path):
     from gradian.config import config_from_dict
     from gradian.validate.verify import default_top_k
 
+    from gradian.report.schema import Accused, Report, Truth
+
+    def rep(count=None, planted=None) -> Report:  # the parts of a typed report verify reads here
+        return Report.model_construct(
+            accused=None if count is None else Accused.model_construct(count=count, positions=list(range(count))),
+            truth=None if planted is None else Truth.model_construct(planted=planted))
+
     cfg = config_from_dict({"model": {"base": "b"}, "data": {"train": "t.jsonl"}, "output": "out"}, root=tmp_path)
-    report = {"accused": {"count": 7, "positions": list(range(7))}, "truth": {"planted": [1, 2, 3]}}
-    k, rule = default_top_k(cfg, report, 1000)
+    k, rule = default_top_k(cfg, rep(7, [1, 2, 3]), 1000)
     assert k == 7 and "accused" in rule
-    assert default_top_k(cfg, {"accused": {"count": 0}, "truth": {"planted": [1, 2, 3]}}, 1000)[0] == 3
+    assert default_top_k(cfg, rep(0, [1, 2, 3]), 1000)[0] == 3
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "truth.json").write_text(json.dumps({"planted": [4, 5]}))
-    assert default_top_k(cfg, {}, 1000)[0] == 2
+    assert default_top_k(cfg, rep(), 1000)[0] == 2
     (tmp_path / "out" / "truth.json").unlink()
-    assert default_top_k(cfg, {}, 1000) == (50, "min(attribution.top_k, 5% of the rows)")
-    assert default_top_k(cfg, {}, 300)[0] == 15
+    assert default_top_k(cfg, rep(), 1000) == (50, "min(attribution.top_k, 5% of the rows)")
+    assert default_top_k(cfg, rep(), 300)[0] == 15
