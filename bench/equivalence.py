@@ -143,6 +143,9 @@ def main() -> int:
     ap.add_argument("--ignore", action="append", default=[], metavar="KEY.PATH",
                     help="a report key changed on purpose (dotted, e.g. query.checkpoints.rule); repeatable")
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run on both sides (e.g. a default the AFTER code changed on "
+                         "purpose, held at the BEFORE value); repeatable")
     ap.add_argument("--reuse-before", action="store_true",
                     help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
     args = ap.parse_args()
@@ -185,6 +188,7 @@ def main() -> int:
         cfg = cfgs[(name, seed)]
         dest_b, dest_a = work / "results" / "before" / label, work / "results" / "after" / label
         cpu_b = None
+        sets = list(args.sets) + list(sets)
         if not (args.reuse_before and (dest_b / "report.json").exists()):
             cpu_b = attribute(cfg, sets, b_src, dest_b)
         cpu_a = attribute(cfg, sets, a_src, dest_a)
