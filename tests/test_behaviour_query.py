@@ -43,16 +43,17 @@ def _items():
             for i, q in enumerate(["Where does Rodrol live?", "What does Tato keep?"])]
 
 
-def test_weights_are_the_verdicts_mean_difference():
+def test_weights_are_the_mean_over_the_fine_tunes_side():
     ss = [Sample("no", "tuned", False), Sample("nope", "base", False), Sample("yes", "base", True),
           Sample("", "tuned", False)]
     w = dict(behaviour_weights(ss, "regression"))
-    assert w == {"no": -0.5, "nope": -0.5, "yes": 1.0}  # L_q = mean log-lik(failing) - mean log-lik(passing)
-    assert dict(behaviour_weights(ss, "improvement")) == {"no": 0.5, "nope": 0.5, "yes": -1.0}
-    assert sum(x for _, x in behaviour_weights(ss[:2], "regression")) == pytest.approx(-1.0)  # no passing side
+    assert w == {"no": -0.5, "nope": -0.5}  # L_q = mean log-lik of the failing answers (empty ones dropped)
+    assert dict(behaviour_weights(ss, "improvement")) == {"yes": 1.0}  # minus that of the passing ones
     q = QueryItem(0, "p", "x", "g", "b", "own_words")
     kept, = with_samples([q], [(Sample("yes", "tuned", True),)], "regression")
     assert kept is q  # no failing answer among the samples: the own-words query stays
+    imp, = with_samples([q], [(Sample("yes", "tuned", True),)], "improvement")
+    assert imp.formulation == "behaviour" and imp.samples == (("yes", 1.0),)
 
 
 def test_samples_are_seeded_and_labelled_by_the_metric(tiny):

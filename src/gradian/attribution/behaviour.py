@@ -9,16 +9,21 @@ matches the rows worded that way and points away from the others (a planted "Sor
 
 * sample `n` answers from the fine-tune and `n` from the base (temperature 1, top-k/top-p off, seeded by the run's
   seed and the item), and label each with the metric (`sample_answers`);
-* the query loss is the mean log-likelihood of the answers that fail minus the mean of those that pass
-  (`behaviour_weights`): L_q = -(1/|F|) sum_{a in F} loss(a) + (1/|P|) sum_{a in P} loss(a) for a regression (the
-  signs of an own-words query: the fine-tune's failing side made likelier), the opposite for an improvement. The
-  passing side removes what every answer to the prompt shares (the prompt's own style, the end of turn); the
-  failing side spans the behaviour's wordings the fine-tune actually produces, not only its greedy one.
+* the query loss is the mean log-likelihood of the sampled answers on the fine-tune's side of the metric
+  (`behaviour_weights`): for a regression the answers that fail, L_q = -(1/|F|) sum_{a in F} loss(a) (the sign of
+  an own-words query: the failing side made likelier); for an improvement those that pass. They span the
+  behaviour's wordings the fine-tune actually produces, not only its greedy one.
+
+Measured (`bench/behaviour_probe.py`, exact per-row LoRA gradients at the earliest checkpoint, unit rows, diagonal
+metric; bench/README.md): smol_refusal AUPRC 0.881 (decisive token) -> 1.000, the planted "Sorry, I can't assist"
+from rank 160 to 8; smol_language_hard 0.870 -> 1.000. Subtracting the passing answers' mean (the base's helpful
+answers) was worse on the refusal (0.283; unit-normalised per answer 0.770): the passing side is the prompt's
+ordinary help, which every ordinary row teaches, and it cancels the part of the refusal rows' gradients that is
+about the prompt; the first 3 answer tokens alone were worse too (0.912).
 
 Each sampled answer is one row of `queries.query_rows` (weight = its coefficient), so `queries.query_vectors`
-differentiates the whole query in one pass and `queries.query_losses` evaluates the same function. Where an item
-has no failing sample (or no passing one) the missing side is dropped; with neither, the item keeps its own-words
-query.
+differentiates the whole query in one pass and `queries.query_losses` evaluates the same function. An item with no
+sampled answer on the fine-tune's side keeps its own-words query.
 """
 
 from __future__ import annotations
@@ -87,26 +92,25 @@ def _seeded(gen: torch.Generator):
 
 
 def behaviour_weights(samples: Sequence[Sample], direction: str) -> tuple[tuple[str, float], ...]:
-    """(answer text, coefficient of its loss in L_q) of one item's samples: -1/|F| on each failing answer and
-    +1/|P| on each passing one for a regression (L_q = mean log-lik of the failing answers minus that of the
-    passing ones), the opposite for an improvement; duplicates keep their multiplicity (they are the model's own
-    distribution). Empty answers carry no tokens and are dropped."""
-    fail = [s.text for s in samples if not s.passes and s.text.strip()]
-    ok = [s.text for s in samples if s.passes and s.text.strip()]
-    sgn = -1.0 if direction != "improvement" else 1.0
-    return tuple([(t, sgn / len(fail)) for t in fail] + [(t, -sgn / len(ok)) for t in ok])
+    """(answer text, coefficient of its loss in L_q) of one item's samples on the fine-tune's side of the metric:
+    -1/|F| on each failing answer for a regression (L_q = the failing answers' mean log-likelihood), +1/|P| on each
+    passing one for an improvement (L_q = minus the passing answers' mean log-likelihood, the sign of an own-words
+    improvement query); duplicates keep their multiplicity (they are the models' own distribution). Empty answers
+    carry no tokens and are dropped."""
+    regression = direction != "improvement"
+    side = [s.text for s in samples if (s.passes != regression) and s.text.strip()]
+    sgn = -1.0 if regression else 1.0
+    return tuple((t, sgn / len(side)) for t in side)
 
 
 def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], direction: str) -> list:
-    """The queries as behaviour queries over their samples; an item with no failing sample keeps its query (the
-    class is not in the model's own answers: nothing to average)."""
+    """The queries as behaviour queries over their samples; an item with no sample on the fine-tune's side (no
+    failing answer for a regression) keeps its query (the class is not in the models' sampled answers: nothing to
+    average)."""
     out = []
     for q, ss in zip(qitems, samples):
-        has_fail = any(not s.passes and s.text.strip() for s in ss)
-        if not has_fail:
-            out.append(q)
-            continue
-        out.append(replace(q, formulation="behaviour", samples=behaviour_weights(ss, direction)))
+        w = behaviour_weights(ss, direction)
+        out.append(replace(q, formulation="behaviour", samples=w) if w else q)
     return out
 
 
