@@ -295,6 +295,19 @@ class TopSpan(_Model):
     item_score: float = _absent("The row's whole score for that item (its spans add up to it).")
 
 
+class TopTurn(_Model):
+    """Chat rows of several exchanges: the exchange (a user turn and the assistant's reply) that carries the row's
+    score against its most-harmed failing item (`explain.spans.row_turns`); the exchanges' scores add up to it."""
+
+    turn: int = Field(description="0-based index of the exchange (= of its assistant reply) in the conversation.")
+    turns: int = Field(description="How many exchanges the row has.")
+    text: str = Field(description="The exchange's assistant reply.")
+    score: float = Field(description="Sum of the exchange's supervised-token contributions.")
+    share: Optional[float] = _absent("Its share of the row's score for that item.")
+    item: int = _absent("The eval item the contributions are measured against.")
+    scores: list[float] = _absent("Every exchange's score, in conversation order.")
+
+
 class RankingRow(_Model):
     """One of the top `attribution.top_k` training rows, in rank order."""
 
@@ -314,6 +327,8 @@ class RankingRow(_Model):
     verdict_text: str = _absent("`verdict` in plain words.")
     window: Window = _absent("Long rows only: the best window.")
     top_span: TopSpan = _absent("Top rows with a span drill-down only.")
+    top_turn: TopTurn = _absent("Chat rows of several exchanges with a span drill-down only: the exchange that "
+                                "carries the score.")
     accused: bool = _absent("Attributed only: the row is in the accused set (`accused`).")
 
 
