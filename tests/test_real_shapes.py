@@ -52,14 +52,13 @@ def test_attribute_with_the_defaults_on_the_135m_shape(tmp_path, smol):
 
     Report.model_validate(rep)
     assert rep["verdict"] == "attributed" and len(rep["ranking"]) == 32
-    ix = rep["index"]
-    choice = ix["projection_choice"]
-    assert choice["setting"] == "auto" and not choice["exact"] and choice["exact_width"] == 4_884_480
-    assert ix["dim"] == 8192 and ix["projection"]["kind"] == "data-aware" and "4884480" in choice["reason"]
-    assert ix["bytes"] < 32 * 8192 * 4 * 1.01  # 32 KiB per row, not the 19.5 MB an exact row takes
-    assert ix["fidelity"]["reranked"] is not None  # the projected-vs-exact self-check ran
+    # the exact index would not be stored (4.9 M floats a row): one pass scores every row exactly, no index
+    assert rep["index"] is None
+    sc = rep["scoring"]
+    assert sc["mode"].startswith("one pass") and sc["width"] == 4_884_480
+    assert sc["held_rows"] == sc["unique_rows"] == 32 and sc["streamed_rows"] == 0  # 32 x 19.5 MB fit the budget
     assert rep["clusters_info"]["method"]["grouping"] == "gradient-cosine-connected-components"
-    assert rep["ranking"][0].get("top_span")  # spans through the back-projected directions
+    assert rep["ranking"][0].get("top_span")  # spans along the exact directions
 
 
 def test_attribute_with_a_narrow_projection_and_half_storage(tmp_path, smol):
