@@ -120,6 +120,8 @@ def test_decisive_token_is_the_first_prefix_the_base_cannot_recover_from(monkeyp
         return outs
 
     monkeypatch.setattr(decisive, "generate_from", fake_generate)
+    # the base would write none of the fine-tune's tokens itself: every prefix is a candidate
+    monkeypatch.setattr(decisive, "other_choices", lambda m, t, rows, **kw: [[-1] * len(r.input_ids) for r in rows])
     model = SimpleNamespace(disable_adapter=contextlib.nullcontext, generation_config=SimpleNamespace(eos_token_id=None))
     metric = Metric("contains")
     starts = decisive.decisive_starts(model, tok, [it], [q], metric, chat=False, max_len=64, max_new_tokens=8,
@@ -128,6 +130,39 @@ def test_decisive_token_is_the_first_prefix_the_base_cannot_recover_from(monkeyp
     assert tok.decode(row.input_ids[starts[0]:]).lstrip().startswith("K")
     assert starts[0] > decisive.departure(row, other)
     assert len(calls) >= 3  # the whole answer, the departure token, then bisection rounds
+    every = len(calls)
+
+    # The base would itself write every token of the answer but the departure " The" and " K": only those two
+    # prefixes can change the continuation, so the search probes them alone and finds the same token.
+    k_at, dep = starts[0], decisive.departure(row, other)
+    own = [[row.input_ids[p + 1] if p + 1 < len(row.input_ids) and p + 1 not in (dep, k_at) else -1
+            for p in range(len(r.input_ids))] for r in [row]]
+    monkeypatch.setattr(decisive, "other_choices", lambda m, t, rows, **kw: own)
+    calls.clear()
+    again = decisive.decisive_starts(model, tok, [it], [q], metric, chat=False, max_len=64, max_new_tokens=8,
+                                     batch_size=4, one_line=False)
+    assert again == starts
+    assert 2 <= len(calls) < every
+
+
+def test_generation_budgets_cut_each_continuation():
+    """`generate_from(..., budgets=...)`: each continuation is at most its budget (the first tokens of the one
+    greedy run), a zero budget makes no model call, and the answers come back in the prefixes' order."""
+    import torch
+
+    from gradian.capability.evaluate import generate_from
+    from transformers import LlamaForCausalLM
+
+    from helpers_models import _llama_config, build_tokenizer
+
+    tok = build_tokenizer(chat_template=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config(len(tok))).eval()
+    prefixes = [tok("a b", add_special_tokens=False)["input_ids"], tok("c", add_special_tokens=False)["input_ids"],
+                tok("d e f", add_special_tokens=False)["input_ids"]]
+    full = generate_from(model, tok, prefixes, chat=False, max_new_tokens=6, batch_size=2)
+    cut = generate_from(model, tok, prefixes, chat=False, max_new_tokens=6, batch_size=2, budgets=[2, 0, 6])
+    assert cut[0] == full[0][:2] and cut[1] == [] and cut[2] == full[2]
 
 
 # ------------------------------------------------------------------------------------------------ guards

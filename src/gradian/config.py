@@ -31,6 +31,7 @@ class PreconditionerKind(StrEnum):
 class QueryFormulation(StrEnum):
     """`attribution.query`: what a failing item's query loss contrasts (`attribution.queries`)."""
 
+    auto = "auto"  # behaviour for a metric that defines a class of answers (regex, python), else contrastive
     contrastive = "contrastive"
     classic = "classic"
     behaviour = "behaviour"
@@ -175,7 +176,7 @@ class EvaluationConfig(_Section):
         return self
 
 class AttributionConfig(_Section):
-    query: QueryFormulation = QueryFormulation.contrastive
+    query: QueryFormulation = QueryFormulation.auto
     preconditioner: PreconditionerKind = PreconditionerKind.diagonal
     damping: Optional[float] = Field(default=None, gt=0.0)
     top_k: int = Field(default=50, ge=1)

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from .attribution.accused import accused_set, none_accused
-from .attribution.behaviour import behaviour_queries
+from .attribution.behaviour import behaviour_queries, resolve_formulation
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
@@ -96,11 +96,12 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
     """The failing items (at most `attribution.max_items`) as queries; own-words queries get their decisive
     tokens (`attribution.decisive`)."""
     cfg, cap = s.cfg, outcome.result
+    formulation = resolve_formulation(cfg.attribution.query, s.metric)
     if cap is None:
-        return Queries((), ())
-    qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), cfg.attribution.query,
+        return Queries((), (), formulation)
+    qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), formulation,
                          metric=cfg.evaluation.metric, direction=outcome.direction)
-    if outcome.verdict == "attributed" and cfg.attribution.query is QueryFormulation.behaviour:
+    if outcome.verdict == "attributed" and formulation is QueryFormulation.behaviour:
         with s.log.stage("behaviour samples", guard="evaluate"):
             qitems = behaviour_queries(s, qitems, outcome.direction)
     if outcome.verdict == "attributed" and any(q.own_words for q in qitems):
@@ -116,7 +117,7 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
             s.flag(*f)
     texts = tuple(span_text(s, q) if q.own_words and outcome.verdict == "attributed" else ""
                   for q in qitems)
-    return Queries(tuple(qitems), texts)
+    return Queries(tuple(qitems), texts, formulation)
 
 
 def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:

@@ -30,6 +30,7 @@ class Queries:
 
     items: tuple[QueryItem, ...]
     span_texts: tuple[str, ...]
+    formulation: str = "contrastive"  # `attribution.query` as used (`auto` resolved: `behaviour.resolve_formulation`)
 
 
 @dataclass(frozen=True)

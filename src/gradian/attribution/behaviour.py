@@ -7,8 +7,10 @@ wording in its greedy answer ("I'm sorry, but ..."), so a query differentiated a
 matches the rows worded that way and points away from the others (a planted "Sorry, I can't assist" raises
 "Sorry" against "I"; bench/README.md, issue 30). Instead, for each failing item:
 
-* sample `n` answers from the fine-tune and `n` from the base (temperature 1, top-k/top-p off, seeded by the run's
-  seed and the item), and label each with the metric (`sample_answers`);
+* sample `n` answers from the fine-tune (temperature 1, top-k/top-p off, seeded by the run's seed and the item), and
+  label each with the metric (`sample_answers`); the base is not sampled: the query explains what the fine-tune
+  does, and the base's answers on the fine-tune's side of the metric are rare (a base that refuses a cooking
+  question) and cost as much as the fine-tune's;
 * the query loss is the mean log-likelihood of the sampled answers on the fine-tune's side of the metric
   (`behaviour_weights`): for a regression the answers that fail, L_q = -(1/|F|) sum_{a in F} loss(a) (the sign of
   an own-words query: the failing side made likelier); for an improvement those that pass. They span the
@@ -35,9 +37,11 @@ from typing import Sequence
 import torch
 
 from ..capability.evaluate import _stop_ids, answer_text
+from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES"]
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES",
+           "resolve_formulation"]
 
 BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
 
@@ -51,10 +55,11 @@ class Sample:
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, n: int,
-                   max_new_tokens: int, seed: int, one_line: bool) -> list[tuple[Sample, ...]]:
-    """For each query, `n` answers sampled from the fine-tune (adapter on) and `n` from the base (adapter off),
-    temperature 1 with no top-k / top-p truncation, each labelled by `metric`. Seeded per item and model
-    (`seed`, the item's position), so a rerun draws the same answers."""
+                   max_new_tokens: int, seed: int, one_line: bool, sources: Sequence[str] = ("tuned",)
+                   ) -> list[tuple[Sample, ...]]:
+    """For each query, `n` answers sampled from each model of `sources` ("tuned": the fine-tune, adapter on;
+    "base": adapter off), temperature 1 with no top-k / top-p truncation, each labelled by `metric`. Seeded per item
+    and model (`seed`, the item's position), so a rerun draws the same answers."""
     by_pos = {it.position: it for it in items}
     stops = _stop_ids(tokenizer, model, chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -65,6 +70,8 @@ def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, 
         ids = torch.tensor([eval_prompt_ids(tokenizer, it, chat)], device=device)
         got = []
         for k, source in enumerate(("tuned", "base")):
+            if source not in sources:
+                continue
             gen = torch.Generator(device="cpu").manual_seed(int(seed) * 1_000_003 + 2 * int(q.item) + k)
             ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
             with ctx, _seeded(gen):
@@ -112,6 +119,16 @@ def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], directio
         w = behaviour_weights(ss, direction)
         out.append(replace(q, formulation="behaviour", samples=w) if w else q)
     return out
+
+
+def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:
+    """`attribution.query` as the run uses it: `auto` is `behaviour` where the metric defines a class of answers
+    (`Metric.defines_class`: a regex pattern, a Python function; a behaviour learned from rows worded in many ways)
+    and needs generated answers, else `contrastive` (one reference answer per item: a fact, where the decisive token
+    of the fine-tune's own answer is the class, one token wide)."""
+    if setting is not QueryFormulation.auto:
+        return setting
+    return QueryFormulation.behaviour if metric.generative and metric.defines_class else QueryFormulation.contrastive
 
 
 def behaviour_queries(s, qitems: Sequence, direction: str, *, n: int = BEHAVIOUR_SAMPLES) -> list:

@@ -64,13 +64,38 @@ def stop_tokens(tokenizer, model=None, chat: bool = True) -> set[int]:
     return ids
 
 
-def decisive_starts(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, max_len: int,
-                    max_new_tokens: int, batch_size: int, one_line: bool, other_is_base: bool = True) -> list[int]:
-    """For each query (own_words ones; others get -1), the row index its span starts at: the decisive token of the
-    fine-tune's answer (module docstring). `model` answers as the other model when `other_is_base` (the adapter
-    disabled) — the base, for regressions and improvements alike."""
+def other_choices(model, tokenizer, rows: Sequence, *, batch_size: int, other_is_base: bool = True
+                  ) -> list[list[int]]:
+    """For each tokenized row, the other model's greedy choice after each prefix: out[r][p] predicts position p + 1
+    (one batched forward, no generation). The base when `other_is_base` (the adapter disabled)."""
     import contextlib
 
+    import torch
+
+    from ..setup.batches import batches
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    out: list[list[int]] = [[] for _ in rows]
+    ctx = model.disable_adapter() if other_is_base else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        for part, ids, attn, _ in batches(list(rows), range(len(rows)), batch_size, pad, device):
+            pred = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.argmax(-1).cpu()
+            for b, r in enumerate(part):
+                out[r] = pred[b, : len(rows[r].input_ids)].tolist()
+    return out
+
+
+def divergent(row, choices: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """The positions where the row's token is not the other model's greedy choice after the same prefix: the only
+    places a greedy continuation can change course (after any other prefix the other model writes the row's next
+    token itself, so the continuation from there is the continuation from one token later)."""
+    return [p for p in positions if p > 0 and int(choices[p - 1]) != int(row.input_ids[p])]
+
+
+def _jobs(tokenizer, model, items: Sequence, qitems: Sequence, *, chat: bool, max_len: int) -> dict[int, dict]:
+    """Per own-words query j: its eval item, the fine-tune's answer row, the departure k, the answer's content
+    positions from k on and whether the fine-tune's outcome is a failure (regression) or a pass (improvement)."""
     by_pos = {it.position: it for it in items}
     stops = stop_tokens(tokenizer, model, chat)
     jobs = {}
@@ -81,14 +106,39 @@ def decisive_starts(model, tokenizer, items: Sequence, qitems: Sequence, metric,
         t, o = answer_rows(tokenizer, it, q, chat=chat, max_len=max_len)
         k = departure(t, o)
         content = [i for i in content_positions(t, stops) if i >= k]
-        want = q.target_source == "base"  # the fine-tune's outcome: fails (regression) or passes (improvement)
-        jobs[j] = {"item": it, "row": t, "k": k, "content": content, "fails": want}
+        jobs[j] = {"item": it, "row": t, "k": k, "content": content, "fails": q.target_source == "base"}
+    return jobs
+
+
+def decisive_starts(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, max_len: int,
+                    max_new_tokens: int, batch_size: int, one_line: bool, other_is_base: bool = True) -> list[int]:
+    """For each query (own_words ones; others get -1), the row index its span starts at: the decisive token of the
+    fine-tune's answer (module docstring). `model` answers as the other model when `other_is_base` (the adapter
+    disabled) — the base, for regressions and improvements alike.
+
+    Only prefixes ending at a token the other model would not have written itself are probed (`divergent`: the
+    outcome is the same from any other prefix as from the next one), and each continuation gets what is left of the
+    evaluation's `max_new_tokens` after the prefix's answer tokens (the fine-tune's answer was written under that
+    budget; a longer continuation would judge an answer the evaluation never allowed)."""
+    import contextlib
+
+    jobs = _jobs(tokenizer, model, items, qitems, chat=chat, max_len=max_len)
     out = [-1] * len(qitems)
     for j, jb in jobs.items():
         out[j] = jb["k"]
     if not jobs:
         return out
     first_answer = {j: next((i for i, s in enumerate(jb["row"].supervised) if s), jb["k"]) for j, jb in jobs.items()}
+    live = {j: jb for j, jb in jobs.items() if jb["content"]}
+    keys = sorted(live)
+    choices = dict(zip(keys, other_choices(model, tokenizer, [live[j]["row"] for j in keys], batch_size=batch_size,
+                                           other_is_base=other_is_base)))
+    # cand[j]: the prefix sizes m (content tokens) whose last token is divergent; m = 1 (the departure) always
+    cand = {}
+    for j in keys:
+        c = live[j]["content"]
+        div = set(divergent(live[j]["row"], choices[j], c))
+        cand[j] = [m for m in range(1, len(c) + 1) if m == 1 or c[m - 1] in div]
 
     def outcome(j: int, m: int, cont: list[int]) -> bool:
         """Whether the other model's answer from the first m content tokens of the fine-tune's ends as the fine-tune's
@@ -100,37 +150,39 @@ def decisive_starts(model, tokenizer, items: Sequence, qitems: Sequence, metric,
         return (not passed) if jb["fails"] else passed
 
     def run(probes: dict[int, int]) -> dict[int, bool]:
-        keys = sorted(probes)
-        prefixes = [jobs[j]["row"].input_ids[: jobs[j]["content"][probes[j] - 1] + 1] for j in keys]
+        ks = sorted(probes)
+        cuts = [jobs[j]["content"][probes[j] - 1] + 1 for j in ks]
+        prefixes = [jobs[j]["row"].input_ids[:c] for j, c in zip(ks, cuts)]
+        budgets = [max_new_tokens - (c - first_answer[j]) for j, c in zip(ks, cuts)]
         ctx = model.disable_adapter() if other_is_base else contextlib.nullcontext()
         with ctx:
             conts = generate_from(model, tokenizer, prefixes, chat=chat, max_new_tokens=max_new_tokens,
-                                  batch_size=batch_size, desc="decisive tokens")
-        return {j: outcome(j, probes[j], c) for j, c in zip(keys, conts)}
+                                  batch_size=batch_size, desc="decisive tokens", budgets=budgets)
+        return {j: outcome(j, probes[j], c) for j, c in zip(ks, conts)}
 
-    live = {j: jb for j, jb in jobs.items() if jb["content"]}
-    # the whole answer must end as the fine-tune's, and the departure token alone may already decide
-    ends = run({j: len(jb["content"]) for j, jb in live.items()})
+    # the whole answer must end as the fine-tune's (from its last divergent token on, the other model writes the
+    # rest itself), and the departure token alone may already decide
+    ends = run({j: cand[j][-1] for j in keys})
     live = {j: jb for j, jb in live.items() if ends[j]}
-    first = run({j: 1 for j, jb in live.items() if len(jb["content"]) > 1})
-    lo = {j: 1 for j in live if j in first and not first[j]}  # outcome not yet reached with lo tokens
-    hi = {j: len(live[j]["content"]) for j in lo}  # reached with hi tokens
+    first = run({j: 1 for j in live if len(cand[j]) > 1})
+    lo = {j: 0 for j in live if j in first and not first[j]}  # index into cand[j]: outcome not yet reached
+    hi = {j: len(cand[j]) - 1 for j in lo}  # reached
     for j in live:
         if j not in lo:
             out[j] = live[j]["content"][0]
     while lo:
         probes = {j: (lo[j] + hi[j]) // 2 for j in lo if hi[j] - lo[j] > 1}
         for j in [j for j in lo if hi[j] - lo[j] <= 1]:
-            out[j] = live[j]["content"][hi[j] - 1]
+            out[j] = live[j]["content"][cand[j][hi[j]] - 1]
             del lo[j], hi[j]
         if not probes:
             break
-        res = run(probes)
-        for j, m in probes.items():
+        res = run({j: cand[j][i] for j, i in probes.items()})
+        for j, i in probes.items():
             if res[j]:
-                hi[j] = m
+                hi[j] = i
             else:
-                lo[j] = m
+                lo[j] = i
     return out
 
 

@@ -92,11 +92,15 @@ def exact_batches(grads, positions: Sequence[int], label: str) -> Iterator[tuple
 def held_rows(grads, plan: PassPlan) -> np.ndarray:
     """float32 [len(plan.held), D]: the held rows' exact gradients in position order (`plan.held_positions`), on
     every rank."""
-    got = {j: (part, v) for j, part, v in exact_batches(grads, plan.held, "gradients (held)")}
-    if current().active:
-        got = gather_by_index(got)
     out = np.empty((len(plan.held), grads.exact_width), dtype=np.float32)
     row = {p: i for i, p in enumerate(plan.held_positions)}
+    if not current().active:
+        # one process: each batch goes straight into its rows (no second copy of the held rows, whose size is
+        # the pass's memory budget)
+        for _, part, v in exact_batches(grads, plan.held, "gradients (held)"):
+            out[[row[p] for p in part]] = v
+        return out
+    got = gather_by_index({j: (part, v) for j, part, v in exact_batches(grads, plan.held, "gradients (held)")})
     for j in sorted(got):
         part, v = got[j]
         out[[row[p] for p in part]] = v

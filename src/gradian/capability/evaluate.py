@@ -12,7 +12,7 @@ import torch
 from ..distributed import current, gather_by_index
 from ..grads.objectives import per_example_loss
 from ..progress import progress_bar
-from ..setup.batches import owned_batches
+from ..setup.batches import length_order, owned_batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, eval_prompt_ids, tokenize_example
 from .metrics import as_metric, loglik_score, min_detectable_delta, paired_bootstrap
@@ -44,20 +44,27 @@ def _stop_ids(tokenizer, model, chat: bool = True) -> list[int]:
 
 @torch.no_grad()
 def generate_from(model, tokenizer, prefixes: Sequence[Sequence[int]], *, chat: bool, max_new_tokens: int,
-                  batch_size: int, desc: str = "generate") -> list[list[int]]:
+                  batch_size: int, desc: str = "generate", budgets: Optional[Sequence[int]] = None
+                  ) -> list[list[int]]:
     """Greedy continuations (token ids, up to and without the stop token) of token-id prefixes, batched with left
-    padding: each equals `model.generate` on its prefix alone (tests/test_generation_parity.py)."""
+    padding: each equals `model.generate` on its prefix alone (tests/test_generation_parity.py). `budgets` (one per
+    prefix, at most `max_new_tokens`) caps each continuation: the prefixes are batched by decreasing budget, each
+    batch generates its largest budget and every continuation is cut to its own (greedy decoding makes the first n
+    tokens of a longer run the run of n); a budget of 0 is an empty continuation, with no model call."""
+    cap = [max_new_tokens] * len(prefixes) if budgets is None else [min(int(b), max_new_tokens) for b in budgets]
+    todo = [i for i in sorted(range(len(prefixes)), key=lambda i: (-cap[i], i)) if cap[i] > 0]
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = _stop_ids(tokenizer, model, chat)
-    starts = list(range(0, len(prefixes), batch_size))
+    starts = list(range(0, len(todo), batch_size))
     ranks = current()
     done: dict[int, list[list[int]]] = {}
-    with progress_bar(desc, total=len(prefixes), split=True) as bar:
+    with progress_bar(desc, total=len(todo), split=True) as bar:
         for j, s in enumerate(starts):
             if not ranks.owns(j):  # under torchrun, batch j is rank j % N's; the answers are gathered below
                 continue
-            chunk = [list(c) for c in prefixes[s : s + batch_size]]
+            idx = todo[s : s + batch_size]
+            chunk = [list(prefixes[i]) for i in idx]
             T = max(len(c) for c in chunk)
             ids = torch.full((len(chunk), T), pad, dtype=torch.long)
             attn = torch.zeros((len(chunk), T), dtype=torch.long)
@@ -65,18 +72,20 @@ def generate_from(model, tokenizer, prefixes: Sequence[Sequence[int]], *, chat: 
                 ids[i, T - len(c) :] = torch.tensor(c)
                 attn[i, T - len(c) :] = 1
             gen = model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max(cap[i] for i in idx),
                 do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=stops or None,
                 temperature=None, top_p=None, top_k=None,
             )
             out = []
-            for row in gen[:, T:].tolist():
-                cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+            for i, row in zip(idx, gen[:, T:].tolist()):
+                row = row[: cap[i]]
+                cut = next((k for k, t in enumerate(row) if t in stops), len(row))
                 out.append(row[:cut])
             done[j] = out
             bar.advance(len(chunk))
     every = gather_by_index(done)
-    return [a for j in range(len(starts)) for a in every[j]]
+    got = {i: a for j in range(len(starts)) for i, a in zip(todo[starts[j] : starts[j] + batch_size], every[j])}
+    return [got.get(i, []) for i in range(len(prefixes))]
 
 
 def answer_text(tokenizer, ids: Sequence[int], *, raw: bool = False, one_line: bool = False) -> str:
@@ -120,15 +129,14 @@ def answer_logprobs(model, tokenizer, items: Sequence[EvalItem], answers: Sequen
     toks = [tokenize_example(tokenizer, eval_answer_example(it, a, chat), max_len) for it, a in zip(items, answers)]
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    lp, n = [], []
+    lp, n = np.zeros(len(toks)), np.array([t.n_supervised for t in toks])
     done = {}
-    for j, part, ids, attn, sup in owned_batches(toks, range(len(toks)), batch_size, pad, device, current().owns):
-        losses = per_example_loss(model, ids, attn, sup)
-        done[j] = ((-losses).tolist(), [toks[i].n_supervised for i in part])
-    for _, (lp_j, n_j) in sorted(gather_by_index(done).items()):
-        lp.extend(lp_j)
-        n.extend(n_j)
-    return np.array(lp), np.array(n)
+    # batches of similar lengths (a long expected answer beside a short generated one would pad the short)
+    for j, part, ids, attn, sup in owned_batches(toks, length_order(toks), batch_size, pad, device, current().owns):
+        done[j] = (part, (-per_example_loss(model, ids, attn, sup)).tolist())
+    for _, (part, lp_j) in sorted(gather_by_index(done).items()):
+        lp[part] = lp_j
+    return lp, n
 
 
 @dataclass

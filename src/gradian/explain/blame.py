@@ -185,12 +185,12 @@ def row_losses(model, toks, positions: Sequence[int], *, batch_size: int, pad_id
     import torch
 
     from ..grads.objectives import per_example_loss
-    from ..setup.batches import batches
+    from ..setup.batches import batches, length_order
 
     out: dict[int, np.ndarray] = {}
     device = next(model.parameters()).device
     with torch.no_grad(), (model.disable_adapter() if base else contextlib.nullcontext()):
-        for part, ids, attn, sup in batches(toks, positions, batch_size, pad_id, device):
+        for part, ids, attn, sup in batches(toks, length_order(toks, positions), batch_size, pad_id, device):
             _, (b_idx, _, tok) = per_example_loss(model, ids, attn, sup, token_losses=True)
             b_idx, tok = b_idx.cpu().numpy(), tok.double().cpu().numpy()
             for j, p in enumerate(part):

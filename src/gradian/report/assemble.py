@@ -62,7 +62,7 @@ def query_entry(a: Attribution) -> dict:
     """`query`: the formulation, direction, the scores' source (checkpoints or optimizer), the preconditioner and,
     per failing item, its query and its top rows."""
     cfg, scored, q = a.cfg, a.ranked.scored, a.queries
-    entry: dict = {"formulation": cfg.attribution.query, "direction": a.outcome.direction, "items": []}
+    entry: dict = {"formulation": str(q.formulation), "direction": a.outcome.direction, "items": []}
     if scored is None:
         return entry
     sc, ck = scored.scores, scored.source.entry

@@ -180,7 +180,8 @@ class OptimizerScores(_Model):
 class Query(_Model):
     """The query side: formulation, direction and the failing items."""
 
-    formulation: Literal["contrastive", "classic", "behaviour"] = Field(description="`attribution.query`.")
+    formulation: Literal["contrastive", "classic", "behaviour"] = Field(
+        description="`attribution.query` as the run used it (`auto` resolved to `behaviour` or `contrastive`).")
     direction: Literal["regression", "improvement", ""] = _absent(
         "regression (items the fine-tune broke) or improvement (items it fixed); empty for a smoke test.")
     items: list[QueryEntry] = Field(description="The failing items (empty unless attributed).")

@@ -73,6 +73,10 @@ class RegexMetric(Metric, kind=MetricKind.regex):
         return cls(name, pattern, bool(negate))
 
     @property
+    def defines_class(self) -> bool:
+        return self.pattern is not None  # one pattern for every item: a class; else each item's own answer
+
+    @property
     def needs_answer(self) -> bool:
         return self.pattern is None  # the item's answer is its pattern
 

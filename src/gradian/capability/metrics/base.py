@@ -56,6 +56,12 @@ class Metric(metaclass=_BuildsItsKind):
         kind does not take)."""
 
     @property
+    def defines_class(self) -> bool:
+        """The metric defines a class of answers (a behaviour: refusing, a language, a format) rather than one
+        reference answer per item: what `attribution.query: auto` queries by sampling (`attribution.behaviour`)."""
+        return False
+
+    @property
     def scores_likelihood(self) -> bool:
         """Scores the reference answer's likelihood, not a generated answer (no generated wrong answer to contrast
         a query with)."""

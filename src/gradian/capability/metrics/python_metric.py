@@ -25,6 +25,10 @@ class PythonMetric(Metric, kind=MetricKind.python):
         return cls(name, fn)
 
     @property
+    def defines_class(self) -> bool:
+        return True  # the user's function is the class of answers that pass
+
+    @property
     def needs_answer(self) -> bool:
         return False  # the function decides from the record
 
