@@ -85,10 +85,15 @@ def test_behaviour_query_gradient_equals_one_backward_per_answer(tiny):
     samples = [(Sample("He lives in Lima.", "tuned", False), Sample("Lima, I think.", "base", False),
                 Sample("In Oslo.", "base", True)),
                (Sample("A crow.", "tuned", False), Sample("Tato keeps a small black crow.", "tuned", False),
+                Sample("A crow.", "tuned", False),  # a repeated answer: one row of twice the weight
                 Sample("A dog.", "base", True), Sample("Nothing at all.", "base", True))]
     qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     qs = with_samples(qs, samples, "regression")
     assert [q.formulation for q in qs] == ["behaviour", "behaviour"]
+    from gradian.attribution.queries import query_rows
+
+    rows, sign, owner, _ = query_rows(tok, items, qs, chat=True, max_len=64)
+    assert len(rows) == 4 and sorted(sign)[0] == -2 / 3  # 5 failing samples, 4 distinct answers
     sites, _ = lora_sites(model)
     cap = GradientCapture(model, sites, Projector(site_shapes(sites)))
     got = query_vectors(cap, tok, items, qs, chat=True, max_len=64, batch_size=3).double().numpy()

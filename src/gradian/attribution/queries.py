@@ -35,7 +35,7 @@ from ..config import MetricKind, metric_kind
 from ..capability.metrics import normalize_answer
 from ..grads.capture import GradientCapture
 from ..grads.objectives import margin_losses, per_example_loss
-from ..setup.batches import batches, owned_batches
+from ..setup.batches import batches, length_order, owned_batches
 from ..setup.records import EvalItem
 from ..setup.tokenize import eval_answer_example, tokenize_example
 from .decisive import answer_rows, departure
@@ -170,10 +170,13 @@ def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem
             sign.append(s_)
             owner.append(qi)
             continue
-        if q.formulation == "behaviour":  # one row per sampled answer, weighted by its verdict (`behaviour`)
-            for text, w in q.samples:
+        if q.formulation == "behaviour":  # one row per distinct sampled answer, weighted by its verdict (`behaviour`)
+            merged: dict[str, float] = {}
+            for text, w in q.samples:  # a repeated answer is one row with the summed weight: the same gradient
+                merged[text] = merged.get(text, 0.0) + float(w)
+            for text, w in merged.items():
                 rows.append(tokenize_example(tokenizer, eval_answer_example(it, text, chat), max_len))
-                sign.append(float(w))
+                sign.append(w)
                 owner.append(qi)
             continue
         t = tokenize_example(tokenizer, eval_answer_example(it, q.target, chat), max_len)
@@ -237,7 +240,8 @@ def _split_batches(toks, batch_size: int, pad: int, device, fn):
 
     ranks = current()
     got = {}
-    for j, part, ids, attn, sup in owned_batches(toks, range(len(toks)), batch_size, pad, device, ranks.owns):
+    # batches of similar lengths: a behaviour query's sampled answers differ in length, items in their prompts
+    for j, part, ids, attn, sup in owned_batches(toks, length_order(toks), batch_size, pad, device, ranks.owns):
         vecs, _ = fn(ids, attn, sup)
         got[j] = (part, vecs.detach().cpu())
     if ranks.active:
