@@ -264,7 +264,7 @@ def test_not_converged_from_the_curve_and_from_the_gradients(tmp_path):
         ix = index_stage(s)
         flag_from_index(s, ix.rows)
         ix.close()
-        flags[name] = [fl for fl in s.flags if fl["id"] == "train.not_converged"]
+        flags[name] = [fl for fl in s.log.flags if fl["id"] == "train.not_converged"]
     assert flags["one"] and "times the 1/sqrt(n)" in flags["one"][0]["message"] and not flags["well"], flags
 
 

@@ -210,11 +210,11 @@ def resolve(s) -> tuple[list[Path], list[str]]:
         return picked, [p.name for p in picked]
     paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
     if not paths:
-        s.flag("attribution.no_checkpoints", "warning",
-               f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
-               "replay (or trained for one epoch); scores use the final adapter only",
-               "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
-               "with `gradian train`")
+        s.log.flag("attribution.no_checkpoints", "warning",
+                   f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
+                   "replay (or trained for one epoch); scores use the final adapter only",
+                   "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
+                   "with `gradian train`")
     return paths, [f"epoch-{k}" for k in epochs]
 
 
@@ -347,7 +347,7 @@ def over_checkpoints(s, sc, qitems, settings):
         weights, weights_source = checkpoint_weights(s.adapter_path, paths)
     sc = sc.with_scores(average(sc.per_item, [p for p, _ in parts], weights),
                         average(sc.rank_item, [r for _, r in parts], weights))
-    s.timings["checkpoints"] = round(time.time() - t0, 3)
+    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
     source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
               "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
     return sc, {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],

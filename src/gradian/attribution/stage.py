@@ -98,7 +98,7 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
         sc, op = score_one_pass(grads, qitems, settings)
         if settings.windows:
             sc = bounded_windows(grads, sc)
-        view.timings["one_pass"] = round(view.timings.get("one_pass", 0.0) + time.time() - t0, 3)
+        view.log.timings["one_pass"] = round(view.log.timings.get("one_pass", 0.0) + time.time() - t0, 3)
         return Scored(sc, ScoreSource("one_pass", ("final",), (view.adapter_path,)), cap.projector,
                       op.cluster_features(len(view.toks)), op.describe(), one_pass=op)
     from ..store.build import open_index
@@ -207,7 +207,7 @@ def _averaged(s, qitems, settings: ScoringSettings, paths: Sequence[Path], label
     weights, weights_source = ck_.checkpoint_weights(s.adapter_path, paths)
     sc = final.scores.with_scores(ck_.average(final.scores.per_item, [p for p, _ in parts], weights),
                                   ck_.average(final.scores.rank_item, [r for _, r in parts], weights))
-    s.timings["checkpoints"] = round(time.time() - t0, 3)
+    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
     source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
               "saved" if all(ck_._is_saved(p, s.adapter_path) for p in paths) else "replayed")
     entry = {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],

@@ -204,5 +204,5 @@ def flag_from_index(s, rows) -> Optional[float]:
         return None
     ratio, n = res
     if ratio * np.sqrt(n) > GRADIENT_Z:
-        s.flag("train.not_converged", "warning", gradient_message(ratio, n), FIX)
+        s.log.flag("train.not_converged", "warning", gradient_message(ratio, n), FIX)
     return ratio
