@@ -31,7 +31,7 @@ from .distributed import current
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
-from .explain.spans import spans_for, window_char_range
+from .explain.spans import RankingSpans, spans_for, window_char_range
 from .grads.capture import GradientCapture
 from .io import atomic_save_npy, atomic_write_text
 from .memory import memory_guard
@@ -171,7 +171,8 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
         spans, clusters, info, block, margins = (), (), None, None, ()
         if rows:
             with s.log.stage("spans"):
-                spans = tuple(spans_stage(s, scored, rows, list(queries.items)))
+                found = spans_stage(s, scored, rows, list(queries.items))
+            rows, spans = [found.row(r) for r in rows], tuple(found.spans)
             with s.log.stage("clusters"):
                 cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
                                     gradients=scored.features, previews=[preview(e.plain_text()) for e in s.examples])
@@ -259,7 +260,7 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
     return ranking
 
 
-def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> list[dict]:
+def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> RankingSpans:
     """Sentence spans of the top rows, from per-token contributions at the adapter state the scores came from."""
     sc = scored.scores
     with spans_context(s, scored) as view:
