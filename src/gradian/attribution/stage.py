@@ -24,8 +24,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
-
 from ..grads.capture import GradientCapture
 from ..grads.layout import site_shapes
 from ..projection import Projector
