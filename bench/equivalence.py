@@ -7,7 +7,8 @@ A refactor is proven by equivalence. For each run below, the scenario is written
 with the BEFORE code; then `python -m gradian attribute` runs on the very same directory with the BEFORE code and
 with the AFTER code (the working tree), each from an empty index cache, and the outputs are compared: report.json
 parsed, with `timings` removed, must be equal; scores.npy and scores_total.npy must be equal byte for byte. The
-adapter is also trained a second time with the AFTER code and compared tensor by tensor (bit for bit).
+adapter is also trained a second time with the AFTER code and compared tensor by tensor (bit for bit), with its
+recipe and saved epoch checkpoints (`adapter_diffs`, shared with `bench/equivalence_validate.py`).
 
 Runs: the demo (substitution, seed 0) with the default settings and with each other preconditioner, a projected
 index (data-aware 1024, exact re-ranking and the self-check), float16 storage, and attribution.checkpoints: 8
@@ -127,18 +128,60 @@ def compare(a: Path, b: Path, ignore: tuple = ()) -> list[str]:
     return diffs
 
 
-def adapters_equal(a: Path, b: Path) -> bool:
+def adapter_diffs(a: Path, b: Path) -> list[str]:
+    """What differs between two trained adapters: their tensors (bit for bit), their recipes (less
+    `train_seconds`) and, the same way, each saved `checkpoints/epoch-*`; empty when nothing does."""
     import torch
     from safetensors.torch import load_file
 
+    diffs = []
     ta, tb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
-    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    if not (ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)):
+        diffs.append("adapter tensors differ")
+    ra, rb = (json.loads((d / "gradian_recipe.json").read_text()) for d in (a, b))
+    for r in (ra, rb):
+        r.pop("train_seconds", None)
+    if ra != rb:
+        diffs.append(f"recipes differ in {sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))}")
+    for sub in sorted(p.name for p in (a / "checkpoints").glob("epoch-*")) if (a / "checkpoints").is_dir() else []:
+        diffs += [f"checkpoints/{sub}: {d}" for d in adapter_diffs(a / "checkpoints" / sub, b / "checkpoints" / sub)]
+    return diffs
+
+
+def retrained_diffs(cfg: Path, src: Path) -> list[str]:
+    """The run's adapter trained again with the code at `src` (into `adapter-after`, removed afterwards) against
+    the one in the run directory (`adapter_diffs`)."""
+    retrained = cfg.parent / "adapter-after"
+    shutil.rmtree(retrained, ignore_errors=True)
+    checked(run([sys.executable, "-m", "gradian", "train", str(cfg), "--set", f"train.output={retrained}"], src=src),
+            f"train {cfg} ({src})")
+    diffs = adapter_diffs(cfg.parent / "adapter", retrained)
+    shutil.rmtree(retrained, ignore_errors=True)
+    return diffs
+
+
+def common_arguments(ap: argparse.ArgumentParser, work: str) -> None:
+    """The options both equivalence benches take: --before, --work (default $TMPDIR/`work`), --reuse-before."""
+    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / work)
+    ap.add_argument("--reuse-before", action="store_true",
+                    help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
+
+
+def before_checkout(before: str, work: Path) -> tuple[str, Path]:
+    """(the full revision of `before`, a `git worktree` of it under `work`, added once and reused)."""
+    rev = checked(subprocess.run(["git", "rev-parse", before], capture_output=True, text=True, cwd=ROOT),
+                  "git rev-parse").stdout.strip()
+    path = work / f"before-{rev[:12]}"
+    if not path.exists():
+        checked(subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], capture_output=True,
+                               text=True, cwd=ROOT), "git worktree add")
+    return rev, path
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "gradian-equivalence")
+    common_arguments(ap, "gradian-equivalence")
     ap.add_argument("--quick", action="store_true", help="the demo and its variants only")
     ap.add_argument("--ignore", action="append", default=[], metavar="KEY.PATH",
                     help="a report key changed on purpose (dotted, e.g. query.checkpoints.rule); repeatable")
@@ -146,17 +189,10 @@ def main() -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run on both sides (e.g. a default the AFTER code changed on "
                          "purpose, held at the BEFORE value); repeatable")
-    ap.add_argument("--reuse-before", action="store_true",
-                    help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
     args = ap.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    rev = checked(subprocess.run(["git", "rev-parse", args.before], capture_output=True, text=True, cwd=ROOT),
-                  "git rev-parse").stdout.strip()
-    before_src = work / f"before-{rev[:12]}"
-    if not before_src.exists():
-        checked(subprocess.run(["git", "worktree", "add", "--detach", str(before_src), rev], capture_output=True,
-                               text=True, cwd=ROOT), "git worktree add")
+    rev, before_src = before_checkout(args.before, work)
     b_src, a_src = before_src / "src", ROOT / "src"
     runs: list[tuple[str, str, int, list[str]]] = [(f"demo-{v}", "substitution", 0, s) for v, s in
                                                      DEMO_VARIANTS.items()]
@@ -176,14 +212,10 @@ def main() -> int:
             cfg = Path(p.stdout.strip().splitlines()[-1])
             if not (cfg.parent / "adapter" / "adapter_model.safetensors").exists():
                 checked(run([sys.executable, "-m", "gradian", "train", str(cfg)], src=b_src), f"train {name}")
-            retrained = cfg.parent / "adapter-after"
-            shutil.rmtree(retrained, ignore_errors=True)
-            checked(run([sys.executable, "-m", "gradian", "train", str(cfg), "--set", f"train.output={retrained}"],
-                        src=a_src), f"train {name} (after)")
-            same = adapters_equal(cfg.parent / "adapter", retrained)
-            shutil.rmtree(retrained, ignore_errors=True)
-            print(f"train {name}-s{seed}: adapters {'identical' if same else 'DIFFER'}", flush=True)
-            bad += not same
+            diffs = retrained_diffs(cfg, a_src)
+            print(f"train {name}-s{seed}: adapters {'identical' if not diffs else 'DIFFER: ' + '; '.join(diffs)}",
+                  flush=True)
+            bad += bool(diffs)
             cfgs[(name, seed)] = cfg
         cfg = cfgs[(name, seed)]
         dest_b, dest_a = work / "results" / "before" / label, work / "results" / "after" / label

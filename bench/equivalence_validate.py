@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from equivalence import ROOT, before_checkout, checked, common_arguments, retrained_diffs, run  # bench/ is sys.path[0]
 
 PREPARE = r"""
 import json, sys
@@ -50,17 +50,6 @@ RUNS = ("tiny-hf", "tiny-trl", "demo")
 VERIFY_ARGS = ["--controls", "2"]
 FIDELITY_ARGS = ["--loo", "2", "--subsets", "4", "--preconditioner", "identity", "--preconditioner", "diagonal"]
 RETRAIN_TIMINGS = ("train_seconds", "eval_seconds")
-
-
-def run(cmd: list[str], *, src: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(src), "GRADIAN_THREADS": "1", "GRADIAN_PROGRESS": "0"}
-    return subprocess.run(cmd, capture_output=True, text=True, env=env)
-
-
-def checked(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
-    if p.returncode != 0:
-        sys.exit(f"{what} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
 
 
 def gradian(cfg: Path, verb: str, args: list[str], src: Path) -> subprocess.CompletedProcess:
@@ -97,24 +86,6 @@ def compare(a: Path, b: Path) -> list[str]:
     return [f"{a.name} differs in {sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))}"]
 
 
-def adapters_equal(a: Path, b: Path) -> list[str]:
-    import torch
-    from safetensors.torch import load_file
-
-    diffs = []
-    ta, tb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
-    if not (ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)):
-        diffs.append("adapter tensors differ")
-    ra, rb = (json.loads((d / "gradian_recipe.json").read_text()) for d in (a, b))
-    for r in (ra, rb):
-        r.pop("train_seconds", None)
-    if ra != rb:
-        diffs.append(f"recipes differ in {sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))}")
-    for sub in sorted(p.name for p in (a / "checkpoints").glob("epoch-*")) if (a / "checkpoints").is_dir() else []:
-        diffs += [f"checkpoints/{sub}: {d}" for d in adapters_equal(a / "checkpoints" / sub, b / "checkpoints" / sub)]
-    return diffs
-
-
 def prepared(name: str, scen: Path, before: Path) -> Path:
     """The scenario, trained and attributed once with the BEFORE code (kept across --reuse-before runs)."""
     b_src = before / "src"
@@ -130,31 +101,19 @@ def prepared(name: str, scen: Path, before: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "gradian-equivalence-validate")
+    common_arguments(ap, "gradian-equivalence-validate")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
-    ap.add_argument("--reuse-before", action="store_true",
-                    help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
     args = ap.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    rev = checked(subprocess.run(["git", "rev-parse", args.before], capture_output=True, text=True, cwd=ROOT),
-                  "git rev-parse").stdout.strip()
-    before = work / f"before-{rev[:12]}"
-    if not before.exists():
-        checked(subprocess.run(["git", "worktree", "add", "--detach", str(before), rev], capture_output=True,
-                               text=True, cwd=ROOT), "git worktree add")
+    rev, before = before_checkout(args.before, work)
     b_src, a_src = before / "src", ROOT / "src"
     scen = work / f"scenarios-{rev[:12]}"
     bad = 0
     t_all = time.time()
     for name in [r for r in args.runs.split(",") if r]:
         cfg = prepared(name, scen, before)
-        retrained = cfg.parent / "adapter-after"
-        shutil.rmtree(retrained, ignore_errors=True)
-        gradian(cfg, "train", ["--set", f"train.output={retrained}"], a_src)
-        diffs = adapters_equal(cfg.parent / "adapter", retrained)
-        shutil.rmtree(retrained, ignore_errors=True)
+        diffs = retrained_diffs(cfg, a_src)
         print(f"{name} train: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)}", flush=True)
         bad += bool(diffs)
         for verb, vargs in (("verify", VERIFY_ARGS), ("fidelity", FIDELITY_ARGS)):

@@ -223,6 +223,40 @@ def test_train_saves_earlier_epochs_and_auto_averages_over_them(two_epoch_run, t
                            rtol=1e-3, atol=1e-6)
 
 
+def test_train_saves_the_optimizer_state_as_a_trainer_checkpoint_does(two_epoch_run, tmp_path):
+    """`gradian train` writes AdamW's state_dict as `optimizer.pt` (the file name and layout of an HF Trainer's
+    checkpoint-*) into the adapter and each saved epoch: one exp_avg_sq per LoRA weight, stepped as often as the
+    run had steps by then; `second_moments` maps it onto the LoRA sites and refuses a file that does not fit."""
+    from transformers.trainer import OPTIMIZER_NAME
+
+    from gradian.setup.session import open_session
+    from gradian.training.optimizer_state import OPTIMIZER_FILE, second_moments
+    from gradian.training.recipe import read_recipe
+
+    assert OPTIMIZER_FILE == OPTIMIZER_NAME
+    adapter = two_epoch_run.path(two_epoch_run.model.adapter)
+    s = open_session(two_epoch_run, need_eval=False)
+    shapes = {(x.name, side): tuple(m.weight.shape) for x in s.sites for side, m in (("A", x.A), ("B", x.B))}
+    steps = read_recipe(adapter).total_steps
+    got = {}
+    for folder, n_steps in ((adapter, steps), (adapter / "checkpoints" / "epoch-1", steps // 2)):
+        sd = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        (g,) = sd["param_groups"]
+        assert len(g["params"]) == len(sd["state"]) == len(g["param_names"]) == len(shapes)
+        assert all(int(sd["state"][i]["step"]) == n_steps for i in g["params"])
+        assert sorted(tuple(st["exp_avg_sq"].shape) for st in sd["state"].values()) == sorted(shapes.values())
+        v = second_moments(folder, s.model)
+        assert {k: tuple(t.shape) for k, t in v.items()} == shapes
+        assert all(bool((t >= 0).all()) and bool(t.any()) for t in v.values())
+        got[folder.name] = v
+    assert not all(torch.equal(got["epoch-1"][k], got[adapter.name][k]) for k in shapes)  # each its own state
+    assert second_moments(tmp_path, s.model) is None  # no optimizer.pt: nothing to read
+    g["params"], g["param_names"] = g["params"][1:], g["param_names"][1:]
+    torch.save(sd, tmp_path / OPTIMIZER_FILE)
+    with pytest.raises(ValueError, match="optimizer holds"):
+        second_moments(tmp_path, s.model)
+
+
 def test_saved_adapters_finds_trainer_checkpoints(tmp_path):
     """A Trainer's output_dir: checkpoint-<step> folders beside (inside) the final adapter, in step order; when
     the adapter is itself a checkpoint folder, its earlier siblings."""

@@ -435,9 +435,14 @@ def test_run_checks_for_session(tmp_path, zoo):
     s = open_session(cfg)
     results = run_checks_for_session(s)
     assert {r.id for r in results} == set(REGISTRY)
-    ids = {f["id"] for f in s.flags}
+    ids = {f["id"] for f in s.log.flags}
     assert {"evaluation.small_eval_set", "data.duplicate_rows"} <= ids
-    assert all(set(f) == {"id", "level", "message", "fix"} for f in s.flags)
+    assert all(set(f) == {"id", "level", "message", "fix"} for f in s.log.flags)
+    # the run log owns what the run records about itself; the session holds the loaded inputs only
+    assert "load" in s.log.timings and not hasattr(s, "flags") and not hasattr(s, "timings")
+    first = dict(s.log.flags[0])
+    s.log.flag(first["id"], "error", "raised again", "")  # the first raise of an id wins
+    assert s.log.flags[0] == first and len({f["id"] for f in s.log.flags}) == len(s.log.flags)
     # an error-level check stops attribution with CheckFailed (exit code 2) naming the check
     cfg = load_config(run(tmp_path, zoo, base=zoo.base_small_vocab))
     s = open_session(cfg)

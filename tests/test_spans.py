@@ -249,7 +249,10 @@ def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
     planted = truth["planted"]
     rows = [{"position": p} for p in planted[:3] + [p_long]]
     scored = Scored(sc, ScoreSource("exact_index", ("final",), (s.adapter_path,)), ix.capture.projector, ix.rows, {})
-    spans = spans_stage(s, scored, rows, qitems)
+    given = [dict(r) for r in rows]
+    found = spans_stage(s, scored, rows, qitems)
+    assert rows == given  # the ranking rows are not edited: the drill-down returns what it adds
+    spans, rows = found.spans, [found.row(r) for r in rows]
     pos_item = {q.item: k for k, q in enumerate(qitems)}
     for r in rows:
         ts = r["top_span"]

@@ -68,6 +68,15 @@ def test_trl_replays_bit_for_bit_and_removes_rows_in_place(tmp_path, monkeypatch
     assert ra.backend == "trl" and ra.tokenized_fingerprint and len(ra.learning_rates) == ra.total_steps == 6
     assert ra.learning_rates[0] == 0.0 and ra.learning_rates[1] > ra.learning_rates[-1] > 0  # warm-up, then cosine
     assert (runs["a"] / "checkpoints" / "epoch-1" / "adapter_model.safetensors").exists()
+    # the Trainer's AdamW state beside each adapter, its parameters named: they come in the model's
+    # named_parameters order, the order `second_moments` reads a Trainer's own checkpoint-*/optimizer.pt in
+    from gradian.setup.session import open_session
+    from gradian.training.optimizer_state import second_moments
+
+    s = open_session(load_config(tmp_path / "run" / "gradian.yaml", [f"model.adapter={runs['a']}"]), need_eval=False)
+    for folder in (runs["a"], runs["a"] / "checkpoints" / "epoch-1"):
+        v = second_moments(folder, s.model)
+        assert v is not None and len(v) == 2 * len(s.sites) and all(bool(t.any()) for t in v.values())
     assert adapters_equal(runs["a"], runs["b"])  # a replay from the recipe is bit for bit the adapter
     assert not adapters_equal(runs["a"], runs["c"])
     # the same rows in the same batches in every run; only row 5 masked, and only when excluded
@@ -101,6 +110,15 @@ def test_readme_trl_script_with_callback_attribute_and_verify(tmp_path):
     rec = json.loads((run / "trl" / "gradian_recipe.json").read_text())
     assert rec["backend"] == "trl" and rec["trainer_args"]["lr_scheduler_type"] == "cosine"
     assert [c["step"] for c in rec["checkpoints"]] == [76, 152, 228, 304] and len(rec["learning_rates"]) == 304
+    # the Trainer's own checkpoint-*/optimizer.pt (no parameter names) read onto the checkpoint's LoRA sites
+    from gradian.setup.session import open_session
+    from gradian.training.optimizer_state import second_moments
+
+    s = open_session(api.load_config(cfg_path, ["model.adapter=trl/checkpoint-76"]), need_eval=False)
+    v = second_moments(run / "trl" / "checkpoint-76", s.model)
+    assert {k: tuple(t.shape) for k, t in v.items()} == {
+        (x.name, side): tuple(m.weight.shape) for x in s.sites for side, m in (("A", x.A), ("B", x.B))}
+    del s
     cfg = api.load_config(cfg_path, ["model.adapter=trl", "attribution.checkpoints=4", "attribution.top_k=20"])
     truth = json.loads((run / "truth.json").read_text())
     report = api.attribute(cfg, truth=truth).to_dict()
@@ -264,7 +282,7 @@ def test_not_converged_from_the_curve_and_from_the_gradients(tmp_path):
         ix = index_stage(s)
         flag_from_index(s, ix.rows)
         ix.close()
-        flags[name] = [fl for fl in s.flags if fl["id"] == "train.not_converged"]
+        flags[name] = [fl for fl in s.log.flags if fl["id"] == "train.not_converged"]
     assert flags["one"] and "times the 1/sqrt(n)" in flags["one"][0]["message"] and not flags["well"], flags
 
 

@@ -31,7 +31,7 @@ from .distributed import current
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
-from .explain.spans import spans_for, window_char_range
+from .explain.spans import RankingSpans, spans_for, window_char_range
 from .grads.capture import GradientCapture
 from .io import atomic_save_npy, atomic_write_text
 from .memory import memory_guard
@@ -59,10 +59,10 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     ranked = rank_stage(s, outcome, queries)
     explanation = explain_stage(s, outcome, queries, ranked)
     verdict = "declined" if ranked.declined else outcome.verdict
-    s.timings["total"] = round(time.time() - t_all, 3)
+    s.log.timings["total"] = round(time.time() - t_all, 3)
     s.log.cpu["total"] = round(time.process_time() - c_all, 3)
-    a = Attribution(cfg, s.eval_items, tuple(s.flags), outcome, queries, ranked, explanation, verdict, truth,
-                    dict(s.timings), dict(s.log.cpu))
+    a = Attribution(cfg, s.eval_items, tuple(s.log.flags), outcome, queries, ranked, explanation, verdict, truth,
+                    dict(s.log.timings), dict(s.log.cpu))
     report = to_report(a)
     _write(cfg, report, explanation.scores, totals_of(a))
     return report
@@ -76,18 +76,18 @@ def capability_stage(s: Session) -> Outcome:
     no item moved), else `attributed`, with the direction and the failing items."""
     cfg = s.cfg
     if s.eval_items is None:
-        s.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
-        s.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
-               "add data.eval")
+        s.log.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
+        s.log.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
+                   "add data.eval")
         return Outcome(None, "smoke_test", "", ())
     cap = evaluate(s)
     if current().is_main:
         atomic_write_text(cfg.output_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
     failing, direction = select_failing(cap, s.eval_items)
     if not cap.significant:
-        s.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
-               f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
-               "includes zero", "add eval items or check that the fine-tune changed this capability")
+        s.log.flag("evaluation.not_significant", "warning" if cfg.evaluation.require_significant else "info",
+                   f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
+                   "includes zero", "add eval items or check that the fine-tune changed this capability")
     declined = (not cap.significant and cfg.evaluation.require_significant) or not failing
     return Outcome(cap, "declined" if declined else "attributed", direction, tuple(failing))
 
@@ -114,7 +114,7 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
                                                                     batch_size=cfg.grads.batch_size, **kw))
     if s.metric.scores_likelihood:
         for f in loglik_flags(qitems):
-            s.flag(*f)
+            s.log.flag(*f)
     texts = tuple(span_text(s, q) if q.own_words and outcome.verdict == "attributed" else ""
                   for q in qitems)
     return Queries(tuple(qitems), texts, formulation)
@@ -144,8 +144,8 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     if declined is not None:
         # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
         # confident wrong verdict.
-        s.flag(declined[0], "warning", declined[1], "check the failing items' generated answers in report.json "
-               "(query.items); each query needs a passing and a failing answer that differ")
+        s.log.flag(declined[0], "warning", declined[1], "check the failing items' generated answers in report.json "
+                   "(query.items); each query needs a passing and a failing answer that differ")
         scored.close()
     summary = scored.rows_summary if scored.one_pass is None else None
     return Ranked(scored, sc.order, scores, totals, declined, summary)
@@ -172,7 +172,8 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
         spans, clusters, info, block, margins = (), (), None, None, ()
         if rows:
             with s.log.stage("spans"):
-                spans = tuple(spans_stage(s, scored, rows, list(queries.items)))
+                found = spans_stage(s, scored, rows, list(queries.items))
+            rows, spans = [found.row(r) for r in rows], tuple(found.spans)
             with s.log.stage("clusters"):
                 cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
                                     gradients=scored.features, previews=[preview(e.plain_text()) for e in s.examples])
@@ -217,9 +218,10 @@ def _no_supervised_flag(s: Session) -> None:
     n_empty = sum(1 for t in s.toks if t.n_supervised == 0)
     if n_empty:
         first = [e.id for e, t in zip(s.examples, s.toks) if t.n_supervised == 0][:3]
-        s.flag("data.no_supervised_tokens", "warning", f"{n_empty} rows have no supervised tokens after truncation to "
-               f"{s.cfg.grads.max_seq_length} (first: {', '.join(first)}); their gradient is zero",
-               "raise grads.max_seq_length or shorten the prompts")
+        s.log.flag("data.no_supervised_tokens", "warning",
+                   f"{n_empty} rows have no supervised tokens after truncation to "
+                   f"{s.cfg.grads.max_seq_length} (first: {', '.join(first)}); their gradient is zero",
+                   "raise grads.max_seq_length or shorten the prompts")
 
 
 def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scores:
@@ -259,7 +261,7 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
     return ranking
 
 
-def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> list[dict]:
+def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> RankingSpans:
     """Sentence spans of the top rows, from per-token contributions at the adapter state the scores came from."""
     sc = scored.scores
     with spans_context(s, scored) as view:
@@ -279,26 +281,26 @@ def _scoring_flags(s: Session, scored: Scored, n_items: int) -> None:
     """The flags about where the scores came from: the checkpoints used, windows not computed for every long row,
     a projected index's self-check."""
     cfg, sc = s.cfg, scored.scores
-    s.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, scored.source.entry))
+    s.log.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, scored.source.entry))
     if sc.long_rows and not sc.window_items:
         if scored.one_pass is not None:
-            s.flag("attribution.windows_aggregate_only", "info",
-                   f"{len(sc.long_rows)} long rows: the {min(len(sc.long_rows), WINDOW_ROWS)} with the highest "
-                   f"whole-row score got their best-window score for the aggregate ranking, and the "
-                   f"{len(sc.window_item_rows)} highest of them per item too; the other rows are ranked by their "
-                   "whole-row score")
+            s.log.flag("attribution.windows_aggregate_only", "info",
+                       f"{len(sc.long_rows)} long rows: the {min(len(sc.long_rows), WINDOW_ROWS)} with the highest "
+                       f"whole-row score got their best-window score for the aggregate ranking, and the "
+                       f"{len(sc.window_item_rows)} highest of them per item too; the other rows are ranked by their "
+                       "whole-row score")
         else:
-            s.flag("attribution.windows_aggregate_only", "info",
-                   f"{n_items} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
-                   f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
-                   "too; the per-item rankings use the other long rows' totals")
+            s.log.flag("attribution.windows_aggregate_only", "info",
+                       f"{n_items} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
+                       f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
+                       "too; the per-item rankings use the other long rows' totals")
     fid = sc.fidelity
     if fid is not None:
         low = (fid["reranked"] or fid["projected_aggregate"])["top50_recall"]
         if low < cfg.grads.fidelity_warn:
-            s.flag("index.projection_fidelity", "warning",
-                   f"projected scores agree poorly with exact ones (top-50 recall {low:.2f} on a sample of "
-                   f"{fid['sample_rows']} rows)", "raise grads.projection_dim or grads.rerank")
+            s.log.flag("index.projection_fidelity", "warning",
+                       f"projected scores agree poorly with exact ones (top-50 recall {low:.2f} on a sample of "
+                       f"{fid['sample_rows']} rows)", "raise grads.projection_dim or grads.rerank")
 
 
 def span_text(s: Session, q) -> str:

@@ -1,9 +1,11 @@
 """What a run says about itself while it runs: one line per stage on stderr when nobody watches a terminal, each
-stage's wall and CPU seconds, and out-of-memory in a stage as an error that names it (`memory.memory_guard`).
+stage's wall and CPU seconds, out-of-memory in a stage as an error that names it (`memory.memory_guard`), and the
+report flags the stages raise. The session holds the loaded inputs; what the run records about itself is here.
 
-    log = RunLog(timings)
+    log = RunLog()
     with log.stage("index"):
         ...                       # "[gradian] index ..." then "[gradian] index done in 4m12s (CPU 4m05s)"
+    log.flag("index.projection_fidelity", "warning", "...", "...")
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from .progress import _clock, say
 class RunLog:
     timings: dict = field(default_factory=dict)  # wall seconds per stage (report.json `timings`)
     cpu: dict = field(default_factory=dict)  # CPU seconds of this process per stage (report.json `timings_cpu`)
+    flags: list[dict] = field(default_factory=list)  # report.json `flags`: {id, level, message, fix}, in raise order
+
+    def flag(self, id: str, level: str, message: str, fix: str = "") -> None:
+        """Raise a report flag; the first raise of an id wins (a stage run per checkpoint raises it once)."""
+        if not any(f["id"] == id for f in self.flags):
+            self.flags.append({"id": id, "level": level, "message": message, "fix": fix})
 
     @contextmanager
     def stage(self, name: str, *, guard: str | None = None, quiet: bool = False) -> Iterator[None]:

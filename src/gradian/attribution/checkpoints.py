@@ -30,7 +30,7 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -210,32 +210,41 @@ def resolve(s) -> tuple[list[Path], list[str]]:
         return picked, [p.name for p in picked]
     paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
     if not paths:
-        s.flag("attribution.no_checkpoints", "warning",
-               f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
-               "replay (or trained for one epoch); scores use the final adapter only",
-               "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
-               "with `gradian train`")
+        s.log.flag("attribution.no_checkpoints", "warning",
+                   f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
+                   "replay (or trained for one epoch); scores use the final adapter only",
+                   "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
+                   "with `gradian train`")
     return paths, [f"epoch-{k}" for k in epochs]
 
 
-def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(per_item, rank_item) [Q, N] of each earlier checkpoint: its own index, preconditioner and query gradients,
-    loaded onto the session's base one at a time; no exact re-ranking or self-check (those are for the final
-    adapter's scores)."""
-    from ..store.build import open_index
-    from .engine import ModelGradients, block_dims_of, score_items
-
+def state_scores(s, paths: Sequence[Path], score: Callable) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(per_item, rank_item) [Q, N] of each earlier adapter state: `score(view)` (a `Scores`) at the session view
+    with that state loaded onto the session's base, one state at a time. How a state's rows are scored is the
+    caller's: its own index (`checkpoint_scores`) or one pass (`stage.score_state`)."""
     out = []
     for j, p in enumerate(paths):
         with s.checkpoint(str(Path(p).resolve()), f"checkpoint-{j}") as view:
-            ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
-            try:
-                sc = score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems,
-                                 replace(settings, rerank=0, fidelity_sample=0), block_dims=block_dims_of(ix.index))
-            finally:
-                ix.close()
+            sc = score(view)
         out.append((np.asarray(sc.per_item, dtype=np.float64), np.asarray(sc.rank_item, dtype=np.float64)))
     return out
+
+
+def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`state_scores` of each earlier checkpoint from its own index, preconditioner and query gradients; no exact
+    re-ranking or self-check (those are for the final adapter's scores)."""
+    from ..store.build import open_index
+    from .engine import ModelGradients, block_dims_of, score_items
+
+    def indexed(view):
+        ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
+        try:
+            return score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems,
+                               replace(settings, rerank=0, fidelity_sample=0), block_dims=block_dims_of(ix.index))
+        finally:
+            ix.close()
+
+    return state_scores(s, paths, indexed)
 
 
 def average(final: np.ndarray, earlier: Sequence[np.ndarray], weights: Optional[Sequence[float]] = None) -> np.ndarray:
@@ -339,19 +348,26 @@ def over_checkpoints(s, sc, qitems, settings):
     paths, labels = resolve(s)
     if not paths:
         return sc, None
-    parts = checkpoint_scores(s, paths, qitems, settings)
+    sc, entry = averaged(s, sc, paths, labels, checkpoint_scores(s, paths, qitems, settings))
+    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
+    return sc, entry
+
+
+def averaged(s, final, paths: Sequence[Path], labels: Sequence[str], parts: Sequence[tuple[np.ndarray, np.ndarray]]):
+    """TracIn-CP: (the final adapter's `Scores` `final` with its per-item scores averaged with the earlier states'
+    `parts` (`state_scores`) by the checkpoints' learning-rate weights, `earliest` the earliest alone; the
+    report entry). The one average over adapter states, whichever way each state's rows were scored."""
     earliest = s.cfg.attribution.checkpoints == "earliest" and not s.cfg.attribution.checkpoint_adapters
     if earliest:  # the earliest checkpoint's scores alone: weight 1, the final adapter's 0
         weights, weights_source = [1.0] + [0.0] * len(parts), "attribution.checkpoints: earliest"
     else:
         weights, weights_source = checkpoint_weights(s.adapter_path, paths)
-    sc = sc.with_scores(average(sc.per_item, [p for p, _ in parts], weights),
-                        average(sc.rank_item, [r for _, r in parts], weights))
-    s.timings["checkpoints"] = round(time.time() - t0, 3)
+    sc = final.with_scores(average(final.per_item, [p for p, _ in parts], weights),
+                           average(final.rank_item, [r for _, r in parts], weights))
     source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
               "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
     return sc, {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
-                "labels": labels + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
+                "labels": list(labels) + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
                 "weights": weights, "weights_source": weights_source,
                 "rule": _rule(earliest, labels, weights)}
 

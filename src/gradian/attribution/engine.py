@@ -76,7 +76,7 @@ class ModelGradients:
     def from_session(cls, s, capture: GradientCapture) -> "ModelGradients":
         g = s.cfg.grads
         return cls(capture, s.tokenizer, s.eval_items, s.toks, s.chat, g.batch_size, g.max_seq_length,
-                   g.loss_chunk_tokens, s.timings)
+                   g.loss_chunk_tokens, s.log.timings)
 
     @property
     def model(self):

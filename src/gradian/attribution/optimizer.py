@@ -301,12 +301,12 @@ def over_trajectory(s, sc, qitems, settings):
     t0 = time.time()
     P, why, traj = optimizer_scores(s, qitems, settings.direction)
     if P is None:
-        s.flag("attribution.no_trajectory", "warning",
-               f"attribution.optimizer is adamw but {why}; the scores are the preconditioned ones",
-               "train the adapter with `gradian train` (it records the optimizer's trajectory beside the adapter)")
+        s.log.flag("attribution.no_trajectory", "warning",
+                   f"attribution.optimizer is adamw but {why}; the scores are the preconditioned ones",
+                   "train the adapter with `gradian train` (it records the optimizer's trajectory beside the adapter)")
         return sc, None
     sc = sc.with_scores(P, P.copy())
-    s.timings["optimizer"] = round(time.time() - t0, 3)
+    s.log.timings["optimizer"] = round(time.time() - t0, 3)
     return sc, {"optimizer": "adamw", "epochs": len(traj.epochs), "steps": len(traj.steps), "file": str(traj.path),
             "rule": "first-order effect of removing each row on the recorded AdamW run (momentum and second-moment "
                     "coupling), per unit query norm; re-ranking, windows, spans and blame use the final adapter"}

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
-
 from ..grads.capture import GradientCapture
 from ..grads.layout import site_shapes
 from ..projection import Projector
@@ -98,7 +96,7 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
         sc, op = score_one_pass(grads, qitems, settings)
         if settings.windows:
             sc = bounded_windows(grads, sc)
-        view.timings["one_pass"] = round(view.timings.get("one_pass", 0.0) + time.time() - t0, 3)
+        view.log.timings["one_pass"] = round(view.log.timings.get("one_pass", 0.0) + time.time() - t0, 3)
         return Scored(sc, ScoreSource("one_pass", ("final",), (view.adapter_path,)), cap.projector,
                       op.cluster_features(len(view.toks)), op.describe(), one_pass=op)
     from ..store.build import open_index
@@ -194,27 +192,22 @@ def _single_entry(s, path: Path, label: str) -> dict:
 
 
 def _averaged(s, qitems, settings: ScoringSettings, paths: Sequence[Path], labels: Sequence[str]) -> Scored:
-    """TracIn-CP over the earlier states and the final adapter: per-item scores averaged with the checkpoints'
-    learning-rate weights; the final adapter's directions serve the windows' token ranges and spans."""
+    """TracIn-CP over the earlier states and the final adapter (`checkpoints.averaged`), each state scored as
+    `score_state` scores it; the final adapter's directions serve the windows' token ranges and spans."""
     t0 = time.time()
-    parts = []
-    for j, p in enumerate(paths):
-        with state_view(s, str(p), f"checkpoint-{j}") as view:
-            st = score_state(view, qitems, replace(settings, rerank=0, fidelity_sample=0))
-            st.close()
-        parts.append((np.asarray(st.scores.per_item, np.float64), np.asarray(st.scores.rank_item, np.float64)))
+    earlier = replace(settings, rerank=0, fidelity_sample=0)
+
+    def at_state(view) -> Scores:
+        st = score_state(view, qitems, earlier)
+        st.close()
+        return st.scores
+
+    parts = ck_.state_scores(s, paths, at_state)
     final = score_state(s, qitems, settings)
-    weights, weights_source = ck_.checkpoint_weights(s.adapter_path, paths)
-    sc = final.scores.with_scores(ck_.average(final.scores.per_item, [p for p, _ in parts], weights),
-                                  ck_.average(final.scores.rank_item, [r for _, r in parts], weights))
-    s.timings["checkpoints"] = round(time.time() - t0, 3)
-    source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
-              "saved" if all(ck_._is_saved(p, s.adapter_path) for p in paths) else "replayed")
-    entry = {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
-             "labels": list(labels) + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
-             "weights": weights, "weights_source": weights_source, "rule": ck_._rule(False, labels, weights)}
+    sc, entry = ck_.averaged(s, final.scores, paths, labels, parts)
+    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
     return replace(final, scores=sc, source=ScoreSource(final.source.method, tuple(labels) + ("final",),
-                                             tuple(str(p) for p in paths) + (s.adapter_path,), entry))
+                                                        tuple(str(p) for p in paths) + (s.adapter_path,), entry))
 
 
 def _legacy(s, qitems, settings: ScoringSettings) -> Scored:

@@ -7,7 +7,7 @@ same loaders every verb uses. Calling them from code:
 
     results = run_diagnose("gradian.yaml", ["grads.batch_size=4"])    # what `gradian diagnose` prints
     results = run_checks_for_session(session)  # after open_session: raises CheckFailed on an error check and
-                                               # puts the failed warnings/infos into session.flags (report flags)
+                                               # puts the failed warnings/infos into session.log.flags (report flags)
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ def raise_on_errors(results: list[CheckResult]) -> None:
 def run_checks_for_session(session) -> list[CheckResult]:
     """The checks over what `setup.session.open_session` loaded (nothing is reloaded but small config files).
 
-    Failed warnings/infos go into `session.flags` (report.json `flags`); any failed error-level check raises
+    Failed warnings/infos go into `session.log.flags` (report.json `flags`); any failed error-level check raises
     CheckFailed (exit code 2) listing them, before anything is written.
     """
     results = run_checks(Context.from_session(session))
     for f in flags_from_checks(results):
-        session.flag(f["id"], f["level"], f["message"], f["fix"])
+        session.log.flag(f["id"], f["level"], f["message"], f["fix"])
     raise_on_errors(results)
     return results
 

@@ -16,7 +16,7 @@ Two measurements, the first that applies:
   (their sum is the gradient of the total loss); n unrelated rows give about 1/sqrt(n); an under-trained adapter's
   rows still pull one way. Flagged above `GRADIENT_Z` / sqrt(n).
 
-Measured on the demo (300 rows; see the README): the 8-epoch fine-tunes (gradian's loop, the TRL backend, a TRL
+Measured on the demo (300 rows; docs/demos.md): the 8-epoch fine-tunes (gradian's loop, the TRL backend, a TRL
 cosine run) made 0.3-2.8% of their descent in the last epoch and have agreement 1.4 / sqrt(n); stopped after 3
 epochs, 64%; after 1 epoch (at the demo's rate and at a fifth of it) the agreement is 4.1-4.9 / sqrt(n).
 """
@@ -204,5 +204,5 @@ def flag_from_index(s, rows) -> Optional[float]:
         return None
     ratio, n = res
     if ratio * np.sqrt(n) > GRADIENT_Z:
-        s.flag("train.not_converged", "warning", gradient_message(ratio, n), FIX)
+        s.log.flag("train.not_converged", "warning", gradient_message(ratio, n), FIX)
     return ratio

@@ -14,6 +14,7 @@ report says which turn of a long conversation carries it (`ranking[i]["top_turn"
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -241,18 +242,32 @@ def window_char_range(ex: Example, tok: Tokenized, a: int, b: int, tokenizer=Non
     return min(r[0] for r in got), max(r[1] for r in got)
 
 
+@dataclass(frozen=True)
+class RankingSpans:
+    """What the span drill-down found: the report's `spans` (best first) and, per ranking position, what its row
+    gains: `top_span` and, for a conversation, `top_turn`. The ranking rows themselves are not touched."""
+
+    spans: list[dict]
+    rows: dict[int, dict]  # position -> {"top_span": ..., "top_turn": ...} (the keys it has)
+
+    def row(self, r: dict) -> dict:
+        """Ranking row `r` with what the drill-down adds to it (a new dict)."""
+        return {**r, **self.rows[r["position"]]} if r["position"] in self.rows else r
+
+
 def spans_for(ranking: list[dict], rank_item: np.ndarray, cand: set, examples, toks, qitems, contributions,
-              tokenizer=None) -> list[dict]:
-    """Sentence spans of the top `SPAN_ROWS` ranking rows against each row's most-harmed failing item
-    (`ranking[i]["top_span"]`, in place, and the returned list). `contributions(exact_part, positions, items)` gives
-    the per-token contributions {(position, item): c} along the directions that reproduce the rows' scores (the
-    exact ones for re-ranked candidates `cand`). A row's span scores add up to its per-item score for that item."""
+              tokenizer=None) -> RankingSpans:
+    """Sentence spans of the top `SPAN_ROWS` ranking rows against each row's most-harmed failing item, and each
+    such row's `top_span` (and `top_turn`). `contributions(exact_part, positions, items)` gives the per-token
+    contributions {(position, item): c} along the directions that reproduce the rows' scores (the exact ones for
+    re-ranked candidates `cand`). A row's span scores add up to its per-item score for that item."""
     rows = ranking[:SPAN_ROWS]
     if not rows:
-        return []
+        return RankingSpans([], {})
     positions = [r["position"] for r in rows]
     items = [int(np.argmax(rank_item[:, p])) for p in positions]
     out: list[dict] = []
+    tops: dict[int, dict] = {}
     groups = {False: [j for j, p in enumerate(positions) if p not in cand],
               True: [j for j, p in enumerate(positions) if p in cand]}
     for exact_part, js in groups.items():
@@ -267,14 +282,14 @@ def spans_for(ranking: list[dict], rank_item: np.ndarray, cand: set, examples, t
                 continue
             total = float(contrib.sum())
             top = spans[0]
-            rows[j]["top_span"] = {"start": top["start"], "end": top["end"], "text": top["text"],
-                                   "score": top["score"], "item": int(qitems[k].item), "item_score": total}
+            tops[p] = {"top_span": {"start": top["start"], "end": top["end"], "text": top["text"],
+                                    "score": top["score"], "item": int(qitems[k].item), "item_score": total}}
             turn = top_turn(row_turns(examples[p], toks[p], contrib, tokenizer), total, int(qitems[k].item))
             if turn is not None:  # conversations: which exchange of the row carries its score
-                rows[j]["top_turn"] = turn
+                tops[p]["top_turn"] = turn
             for sp in spans[:SPANS_PER_ROW]:
                 out.append({"position": p, "start": sp["start"], "end": sp["end"], "text": sp["text"],
                             "score": sp["score"], "tokens": sp["tokens"], "item": int(qitems[k].item),
                             "item_score": total, "share": sp["score"] / total if total else None})
     out.sort(key=lambda d: (-d["score"], d["position"], d["start"]))
-    return out
+    return RankingSpans(out, tops)

@@ -50,7 +50,7 @@ class _Model(BaseModel):
 
 
 class Flag(_Model):
-    """A failed warning- or info-level check, or a condition met during the run (ids are stable, see README)."""
+    """A failed warning- or info-level check, or a condition met during the run (stable ids: docs/checks.md)."""
 
     id: str = Field(description="Stable flag id, e.g. `evaluation.not_significant`.")
     level: Literal["error", "warning", "info"] = Field(description="Severity (report flags are warning or info).")

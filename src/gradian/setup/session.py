@@ -26,8 +26,7 @@ from .tokenize import Tokenized, tokenize_example, uses_chat
 
 @dataclass
 class Session:
-    """The loaded inputs of one run. `flags` collects report flags (id, level, message, fix); `timings` seconds per
-    stage."""
+    """The loaded inputs of one run, and `log`, the run's record of itself (report flags, seconds per stage)."""
 
     cfg: Config
     tokenizer: object
@@ -38,15 +37,11 @@ class Session:
     skipped: list[str]
     adapter_path: str
     chat: bool
-    flags: list[dict] = field(default_factory=list)
-    timings: dict = field(default_factory=dict)
-    _toks: Optional[list[Tokenized]] = None
-    log: Optional[RunLog] = None  # stage lines and timings (wall into `timings`, CPU into `log.cpu`)
+    log: RunLog = field(default_factory=RunLog)  # report flags, stage lines and seconds (wall and CPU) per stage
     metric: Optional[Metric] = None  # evaluation.metric resolved (a Python metric imported)
+    _toks: Optional[list[Tokenized]] = None
 
     def __post_init__(self):
-        if self.log is None:
-            self.log = RunLog(self.timings)
         if self.metric is None:
             self.metric = metric_from_config(self.cfg)
 
@@ -80,10 +75,6 @@ class Session:
     def device(self):
         return next(self.model.parameters()).device
 
-    def flag(self, id: str, level: str, message: str, fix: str = "") -> None:
-        if not any(f["id"] == id for f in self.flags):
-            self.flags.append({"id": id, "level": level, "message": message, "fix": fix})
-
     @contextmanager
     def checkpoint(self, path: str, name: str) -> Iterator["Session"]:
         """A view of this session with the adapter at `path` (an earlier checkpoint) loaded onto the same base under
@@ -95,10 +86,9 @@ class Session:
                 sites, skipped = lora_sites(self.model, self.cfg.grads.module_filter, name)
                 if not sites:
                     raise no_sites_error(path, self.cfg.grads.module_filter, skipped)
-                # the same flags and run log: what a stage at this checkpoint raises and takes is the run's
+                # the same run log: what a stage at this checkpoint raises and takes is the run's
                 view = Session(self.cfg, self.tokenizer, self.examples, self.eval_items, self.model, sites, skipped,
-                               str(path), self.chat, self.flags, self.timings, self.toks, log=self.log,
-                               metric=self.metric)
+                               str(path), self.chat, log=self.log, metric=self.metric, _toks=self.toks)
                 yield view
         finally:
             drop_adapter(self.model, name)
@@ -140,5 +130,5 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
             raise no_sites_error(adapter, cfg.grads.module_filter, skipped)
     s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples),
                 metric=metric)
-    s.timings["load"] = round(time.time() - t0, 3)
+    s.log.timings["load"] = round(time.time() - t0, 3)
     return s

@@ -28,6 +28,7 @@ from ..setup.batches import collate
 from ..setup.model import load_base, load_tokenizer
 from ..setup.records import data_location, dataset_fingerprint, load_train
 from ..setup.tokenize import tokenize_example
+from .optimizer_state import save_optimizer_state
 from .recipe import RECIPE_FILE, Recipe
 from .schedule import make_scheduler
 
@@ -271,7 +272,7 @@ def train_epochs(model, params, opt, sched, data: TrainData, plan: StepPlan, ck:
                 log.saved.append({"name": f"epoch-{e_no}", "epoch": e_no, "step": len(log.rates),
                                   "learning_rate": log.rates[-1] if log.rates else None})
                 model.eval()
-                save_adapter(model, Path(ck.checkpoint_dir) / f"epoch-{e_no}", record(e_no))
+                save_adapter(model, Path(ck.checkpoint_dir) / f"epoch-{e_no}", record(e_no), optimizer=opt)
                 model.train()
 
 
@@ -312,14 +313,14 @@ def train_adapter(
     model.eval()
     try:
         save_adapter(model, ck.out_dir, record(last_epoch if data.stop_epoch else data.hp["epochs"]),
-                     checkpoints=ck.staging)
+                     checkpoints=ck.staging, optimizer=opt)
     finally:
         if ck.staging is not None:
             shutil.rmtree(ck.staging, ignore_errors=True)
     if recorder is not None:
         recorder.save(ck.out_dir, n_rows=len(data.examples), dataset_fingerprint=data.fingerprint)
     if ck.save_at and ck.save_at[-1] == last_epoch and ck.staging is None:
-        save_adapter(model, Path(ck.checkpoint_dir) / f"epoch-{last_epoch}", record(last_epoch))
+        save_adapter(model, Path(ck.checkpoint_dir) / f"epoch-{last_epoch}", record(last_epoch), optimizer=opt)
     return ck.out_dir
 
 
@@ -328,12 +329,17 @@ def train_hyperparameters(cfg: Config) -> dict:
     return cfg.train.model_dump(exclude={"output", "backend", "command", "command_timeout"})
 
 
-def save_adapter(model, out_dir: Path, recipe: Recipe, *, checkpoints: Optional[Path] = None) -> Path:
+def save_adapter(model, out_dir: Path, recipe: Recipe, *, checkpoints: Optional[Path] = None,
+                 optimizer=None) -> Path:
     """The adapter and its recipe, written beside `out_dir` and renamed into place (never half written); the
-    folder `checkpoints`, when given, is moved inside it as `CHECKPOINTS_SUBDIR`."""
+    folder `checkpoints`, when given, is moved inside it as `CHECKPOINTS_SUBDIR`; the `optimizer`'s state, when
+    given, as `optimizer.pt` (as a Trainer's checkpoint holds it: a preconditioner can read Adam's second moments
+    from it, `optimizer_state.second_moments`)."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         (tmp / RECIPE_FILE).write_text(recipe.to_json())
+        if optimizer is not None:
+            save_optimizer_state(optimizer, model, tmp)
         if checkpoints is not None and Path(checkpoints).is_dir():
             os.replace(checkpoints, tmp / CHECKPOINTS_SUBDIR)
     return Path(out_dir)

@@ -276,7 +276,7 @@ def _record_callback(plan: TrlPlan, log: TrlLog, stop_epoch: Optional[int], reco
                 log.saved.append({"name": f"epoch-{e}", "epoch": e, "step": state.global_step,
                                   "learning_rate": log.rates[-1] if log.rates else None})
                 save_adapter(kwargs["model"], Path(plan.checkpoint_dir) / f"epoch-{e}",
-                             record(e, state.global_step, log.state.get("tfp")))
+                             record(e, state.global_step, log.state.get("tfp")), optimizer=kwargs.get("optimizer"))
             if stop_epoch and e >= stop_epoch:
                 control.should_training_stop = True
             return control
@@ -401,10 +401,11 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
         final = trainer.model
         final.eval()
         step = trainer.state.global_step
-        save_adapter(final, plan.out_dir, record(plan.last_epoch, step, tfp), checkpoints=plan.staging)
+        save_adapter(final, plan.out_dir, record(plan.last_epoch, step, tfp), checkpoints=plan.staging,
+                     optimizer=trainer.optimizer)
         if plan.save_at and plan.save_at[-1] == plan.last_epoch and plan.staging is None:
             save_adapter(final, Path(plan.checkpoint_dir) / f"epoch-{plan.last_epoch}",
-                         record(plan.last_epoch, step, tfp))
+                         record(plan.last_epoch, step, tfp), optimizer=trainer.optimizer)
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         shutil.rmtree(plan.work, ignore_errors=True)

@@ -9,26 +9,18 @@ model and applied to exact parameter-space queries: EK-FAC), never a comparison 
 
 from __future__ import annotations
 
-from abc import ABCMeta, abstractmethod
+from abc import abstractmethod
 from typing import ClassVar, Optional
 
 import numpy as np
 
 from ...config import PreconditionerKind
+from ...kinds import BuildsItsKind
 
 _CLASSES: dict[PreconditionerKind, type["Preconditioner"]] = {}
 
 
-class _BuildsItsKind(ABCMeta):
-    """Metaclass of `Preconditioner`: calling the base class itself is `make_preconditioner`."""
-
-    def __call__(cls, *args, **kwargs):
-        if cls is Preconditioner:
-            return make_preconditioner(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-class Preconditioner(metaclass=_BuildsItsKind):
+class Preconditioner(metaclass=BuildsItsKind):
     """q <- H^-1 q for the query side. `apply` maps query rows; `precondition_queries` also gives their norms (what
     scores are scaled by); `describe` is the report's entry."""
 
@@ -46,6 +38,11 @@ class Preconditioner(metaclass=_BuildsItsKind):
         if kind is not None:
             cls.kind = kind
             _CLASSES[kind] = cls
+
+    @staticmethod
+    def _build_kind(*args, **kwargs) -> "Preconditioner":
+        """``Preconditioner(...)`` itself (`kinds.BuildsItsKind`): `make_preconditioner`."""
+        return make_preconditioner(*args, **kwargs)
 
     @classmethod
     @abstractmethod

@@ -8,26 +8,18 @@ builds the class the name's kind registered (`make_metric`): the constructor cal
 
 from __future__ import annotations
 
-from abc import ABCMeta, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 from ...config import MetricKind, metric_kind
+from ...kinds import BuildsItsKind
 
 _CLASSES: dict[MetricKind, type["Metric"]] = {}
 
 
-class _BuildsItsKind(ABCMeta):
-    """Metaclass of `Metric`: calling the base class itself is `make_metric`; a kind's class constructs itself."""
-
-    def __call__(cls, *args, **kwargs):
-        if cls is Metric:
-            return make_metric(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
 @dataclass(frozen=True)
-class Metric(metaclass=_BuildsItsKind):
+class Metric(metaclass=BuildsItsKind):
     """A resolved `evaluation.metric`: `score(item, generated)` in [0, 1] for every metric that scores generated
     answers (`generative`); the likelihood metric scores the reference's probability instead (`LoglikMetric`)."""
 
@@ -47,6 +39,11 @@ class Metric(metaclass=_BuildsItsKind):
         if kind is not None:
             cls.kind = kind
             _CLASSES[kind] = cls
+
+    @staticmethod
+    def _build_kind(*args, **kwargs) -> "Metric":
+        """``Metric(...)`` itself (`kinds.BuildsItsKind`): `make_metric`."""
+        return make_metric(*args, **kwargs)
 
     @classmethod
     @abstractmethod
