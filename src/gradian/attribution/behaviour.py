@@ -44,6 +44,7 @@ __all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "beh
            "resolve_formulation"]
 
 BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
+SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the model's own distribution, untruncated
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, 
             ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
             with ctx, _seeded(gen):
                 seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                                      **SAMPLING, num_return_sequences=n,
                                       max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops or None)
             for row in seqs[:, ids.shape[1]:].tolist():
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
