@@ -204,19 +204,22 @@ def auprc_rank(scores: np.ndarray, planted: list[int]):
 
 
 def adam_second_moment(run: Path, meta: dict, width: int):
-    """The TRL checkpoint's AdamW exp_avg_sq, flattened in the gradient layout (sites in order, A then B), or None.
-    TRL's optimizer holds the LoRA parameters in `named_parameters` order, which is the sites' order."""
-    if meta["state"] != "earliest":
-        ck = checkpoints(run)[-1]
-    else:
-        ck = Path(meta["checkpoint"])
-    f = ck / "optimizer.pt"
-    if not f.exists():
+    """The TRL checkpoint's AdamW exp_avg_sq, flattened in the gradient layout (sites in `lora_sites` order, A then
+    B), or None. Read by `gradian.training.optimizer_state.second_moments`, which maps the optimizer's parameters
+    (in `named_parameters` order: q, k, v, o, ... per layer) onto the sites by name: concatenating them in the
+    optimizer's order would permute the blocks of every layer."""
+    from gradian.config import load_config
+    from gradian.setup.model import load_model, lora_sites
+    from gradian.training.optimizer_state import second_moments
+
+    ck = checkpoints(run)[-1] if meta["state"] != "earliest" else Path(meta["checkpoint"])
+    cfg = load_config(run / "gradian.yaml", [])
+    model = load_model(cfg)
+    got = second_moments(ck, model)
+    if got is None:
         return None
-    sd = torch.load(f, map_location="cpu", weights_only=False)
-    ids = [i for g in sd["param_groups"] for i in g["params"]]
-    parts = [sd["state"][i]["exp_avg_sq"].reshape(-1).double().numpy() for i in ids if i in sd["state"]]
-    v = np.concatenate(parts) if parts else np.zeros(0)
+    sites, _ = lora_sites(model)
+    v = np.concatenate([got[(st.name, side)].reshape(-1).double().numpy() for st in sites for side in ("A", "B")])
     if v.size != width:
         log(f"optimizer state {v.size} != gradient width {width}: skipped")
         return None

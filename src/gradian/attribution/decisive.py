@@ -9,9 +9,11 @@ query over them matches every training row as much as the cause.
 So the decisive token is measured with the metric itself: the shortest prefix of the fine-tune's answer from which
 the other model, continuing greedily, ends with the same outcome as the fine-tune (fails where the fine-tune fails,
 passes where it passes). Before it, the other model still recovers its own outcome ("The capital of Poland is" ->
-" Warsaw."); from it on it cannot ("... is Krakow" -> "."). Found by bisection over the prefixes, all items in one
-batched generation per round (about log2 of the answer's length rounds); where the other model's continuation of the
-whole answer does not end with the fine-tune's outcome, the departure token is kept.
+" Warsaw."); from it on it cannot ("... is Krakow" -> "."). Found by bisection over the prefixes that end at a token
+the other model would not have written itself (one forward gives its greedy choice at every position; from any other
+prefix its continuation is the one from the next prefix), all items in one batched generation per round, each
+continuation given what the evaluation's `max_new_tokens` leaves after the prefix; where the other model's
+continuation of the whole answer does not end with the fine-tune's outcome, the departure token is kept.
 """
 
 from __future__ import annotations
