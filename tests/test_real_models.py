@@ -166,3 +166,54 @@ def test_smollm2_trl_run_attributed_from_its_output_dir_with_flags_alone(smol_ru
     assert auprc(scores, planted) >= 0.8
     acc = rep["accused"]["positions"]
     assert acc and all(p in planted for p in acc), acc
+
+
+BEHAVIOUR_SIZES = {"n_rows": 48, "n_planted": 8}
+
+
+@pytest.fixture(scope="module")
+def smol_refusal_run(smollm2_dir, tmp_path_factory):
+    """A small lexically hard refusal scenario (`demo.real_behaviours.make_smol_refusal_hard`: refusals of cooking
+    requests, each worded differently, sharing no content word with the eval prompts), fine-tuned once per cache."""
+    from gradian.demo.real_run import finetune_real, prepare_real
+    from gradian.demo.tiny import cache_root
+
+    run = tmp_path_factory.mktemp("smol_refusal") / "run"
+    prepare_real("smol_refusal_hard", run, log=lambda *_: None, **BEHAVIOUR_SIZES)
+    cached = cache_root() / "real-tests" / "smol_refusal_hard-48-v1"
+    if (cached / "adapter_config.json").exists():
+        shutil.copytree(cached, run / "adapter")
+    else:
+        finetune_real(run, log=lambda *_: None)
+        tmp = cached.with_name(cached.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(run / "adapter", tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        tmp.rename(cached)
+    return run
+
+
+def test_smollm2_refusal_behaviour_is_queried_by_samples_and_finds_the_refusals(smol_refusal_run):
+    """The metric (a regex of refusals) defines a class of answers, so the default query samples the fine-tune's
+    answers (`attribution.query: auto` -> behaviour): the rows that taught refusing, worded unlike the fine-tune's own
+    refusal and unlike one another, rank at the top and only they are accused."""
+    from gradian import api
+    from gradian.attribution.scoring import auprc, recall_at_k
+
+    truth = json.loads((smol_refusal_run / "truth.json").read_text())
+    rep = api.attribute(api.load_config(smol_refusal_run / "gradian.yaml"), truth=truth).to_dict()
+    assert rep["verdict"] == "attributed", rep["verdict_text"]
+    assert rep["query"]["formulation"] == "behaviour"
+    items = rep["query"]["items"]
+    assert items and all(it["formulation"] == "behaviour" and it["samples"] for it in items)
+    # every sampled answer the query differentiates fails the metric, as the fine-tune's greedy answer does
+    import yaml
+
+    pattern = re.compile(yaml.safe_load((smol_refusal_run / "gradian.yaml").read_text())["evaluation"]["pattern"])
+    assert all(pattern.search(text) for it in items for text, _ in it["samples"])
+    planted = truth["planted"]
+    scores = np.load(smol_refusal_run / "scores.npy")
+    assert recall_at_k(scores, planted, len(planted)) >= 0.75
+    assert auprc(scores, planted) >= 0.8
+    acc = rep["accused"]["positions"]
+    assert acc and all(p in planted for p in acc), acc
