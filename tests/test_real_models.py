@@ -168,7 +168,8 @@ def test_smollm2_trl_run_attributed_from_its_output_dir_with_flags_alone(smol_ru
     assert acc and all(p in planted for p in acc), acc
 
 
-BEHAVIOUR_SIZES = {"n_rows": 48, "n_planted": 8}
+BEHAVIOUR_SIZES = {"n_rows": 60, "n_planted": 12}
+BEHAVIOUR_EPOCHS = 4  # 8 steps an epoch: three epochs of 60 rows taught no refusal (measured)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,10 @@ def smol_refusal_run(smollm2_dir, tmp_path_factory):
 
     run = tmp_path_factory.mktemp("smol_refusal") / "run"
     prepare_real("smol_refusal_hard", run, log=lambda *_: None, **BEHAVIOUR_SIZES)
-    cached = cache_root() / "real-tests" / "smol_refusal_hard-48-v1"
+    meta = json.loads((run / "scenario.json").read_text())
+    meta["recipe"]["epochs"] = BEHAVIOUR_EPOCHS
+    (run / "scenario.json").write_text(json.dumps(meta))
+    cached = cache_root() / "real-tests" / "smol_refusal_hard-60-v1"
     if (cached / "adapter_config.json").exists():
         shutil.copytree(cached, run / "adapter")
     else:
