@@ -209,12 +209,14 @@ def test_smollm2_refusal_behaviour_is_queried_by_samples_and_finds_the_refusals(
     assert rep["verdict"] == "attributed", rep["verdict_text"]
     assert rep["query"]["formulation"] == "behaviour"
     items = rep["query"]["items"]
-    assert items and all(it["formulation"] == "behaviour" and it["samples"] for it in items)
+    # an item none of whose sampled answers refuses (the greedy answer does) keeps its own-words query
+    sampled = [it for it in items if it["formulation"] == "behaviour"]
+    assert len(sampled) * 2 >= len(items) and all(it["samples"] for it in sampled), [it["formulation"] for it in items]
     # every sampled answer the query differentiates fails the metric, as the fine-tune's greedy answer does
     import yaml
 
     pattern = re.compile(yaml.safe_load((smol_refusal_run / "gradian.yaml").read_text())["evaluation"]["pattern"])
-    assert all(pattern.search(text) for it in items for text, _ in it["samples"])
+    assert all(pattern.search(text) for it in sampled for text, _ in it["samples"])
     planted = truth["planted"]
     scores = np.load(smol_refusal_run / "scores.npy")
     assert recall_at_k(scores, planted, len(planted)) >= 0.75
