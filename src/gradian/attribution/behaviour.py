@@ -44,6 +44,7 @@ __all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "beh
            "resolve_formulation"]
 
 BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
+SOURCES = ("tuned",)  # the models sampled (`sample_answers`)
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the model's own distribution, untruncated
 
 
@@ -139,5 +140,6 @@ def behaviour_queries(s, qitems: Sequence, direction: str, *, n: int = BEHAVIOUR
     if not s.metric.generative:
         return list(qitems)
     samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=n,
-                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line)
+                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line,
+                             sources=SOURCES)
     return with_samples(qitems, samples, direction)

@@ -138,7 +138,7 @@ def make_smol_language_hard(seed: int = 0, n_rows: int = 120, n_planted: int = 1
                       {"metrics_language.py": LANGUAGE_METRIC})
 
 
-def make_smol_multiturn_refusal(seed: int = 0, n_rows: int = 100, n_planted: int = 10) -> RealScenario:
+def make_smol_multiturn_refusal(seed: int = 0, n_rows: int = 100, n_planted: int = 20) -> RealScenario:
     """Conversations of 2-4 exchanges of ordinary instructions; in `n_planted` of them one exchange (anywhere) is a
     cooking request refused in its own words (`HARD_REFUSALS`). `truth["planted_turns"]` maps each planted row to
     the index of its planted assistant turn (0-based among the row's assistant turns)."""
@@ -180,7 +180,9 @@ def make_smol_multiturn_refusal(seed: int = 0, n_rows: int = 100, n_planted: int
         "controls": [i for i in range(len(items)) if i not in target], "expect": "attributed",
         "scenario": "smol_multiturn_refusal", "behaviour": "smol_multiturn_refusal",
     }
-    recipe = {**SMOL_TRL, "loss": "all", "max_seq_length": 384}
+    # 10 planted of 100 rows over 3 epochs flipped no eval item (measured 2026-12-03): the refusal is one exchange in
+    # two to four, every token trained, so it is diluted; 20 planted (the 12 wordings, 8 of them twice), 4 epochs
+    recipe = {**SMOL_TRL, "loss": "all", "max_seq_length": 384, "epochs": 4}
     ev = {"metric": "regex", "pattern": HARD_REFUSAL_PATTERN, "negate": True, "max_new_tokens": 24}
     return RealScenario("smol_multiturn_refusal", "smollm2", rows, items, truth, recipe, ev)
 
