@@ -25,15 +25,13 @@ pytestmark = pytest.mark.real
 SIZES = {"n_rows": 40, "n_planted": 4, "n_controls": 4}
 
 
-@pytest.fixture(scope="module")
-def smol_run(smollm2_dir, tmp_path_factory):
-    """The small SmolLM2 scenario fine-tuned once per cache (its adapter is kept under GRADIAN_CACHE)."""
-    from gradian.demo.real_run import finetune_real, prepare_real
+def _finetuned_once(run: Path, name: str) -> Path:
+    """`run` with its scenario's fine-tune in run/adapter, trained once per cache: kept under
+    GRADIAN_CACHE/real-tests/`name` (written beside and renamed, so an interrupted run leaves no half adapter)."""
+    from gradian.demo.real_run import finetune_real
     from gradian.demo.tiny import cache_root
 
-    run = tmp_path_factory.mktemp("smol") / "run"
-    prepare_real("smol_facts", run, log=lambda *_: None, **SIZES)
-    cached = cache_root() / "real-tests" / "smol_facts-40-v1"
+    cached = cache_root() / "real-tests" / name
     if (cached / "adapter_config.json").exists():
         shutil.copytree(cached, run / "adapter")
     else:
@@ -44,6 +42,16 @@ def smol_run(smollm2_dir, tmp_path_factory):
         shutil.rmtree(cached, ignore_errors=True)
         tmp.rename(cached)
     return run
+
+
+@pytest.fixture(scope="module")
+def smol_run(smollm2_dir, tmp_path_factory):
+    """The small SmolLM2 scenario fine-tuned once per cache (its adapter is kept under GRADIAN_CACHE)."""
+    from gradian.demo.real_run import prepare_real
+
+    run = tmp_path_factory.mktemp("smol") / "run"
+    prepare_real("smol_facts", run, log=lambda *_: None, **SIZES)
+    return _finetuned_once(run, "smol_facts-40-v1")
 
 
 def test_smollm2_trl_finetune_names_the_planted_rows(smol_run):
@@ -176,25 +184,14 @@ BEHAVIOUR_EPOCHS = 4  # 8 steps an epoch: three epochs of 60 rows taught no refu
 def smol_refusal_run(smollm2_dir, tmp_path_factory):
     """A small lexically hard refusal scenario (`demo.real_behaviours.make_smol_refusal_hard`: refusals of cooking
     requests, each worded differently, sharing no content word with the eval prompts), fine-tuned once per cache."""
-    from gradian.demo.real_run import finetune_real, prepare_real
-    from gradian.demo.tiny import cache_root
+    from gradian.demo.real_run import prepare_real
 
     run = tmp_path_factory.mktemp("smol_refusal") / "run"
     prepare_real("smol_refusal_hard", run, log=lambda *_: None, **BEHAVIOUR_SIZES)
     meta = json.loads((run / "scenario.json").read_text())
     meta["recipe"]["epochs"] = BEHAVIOUR_EPOCHS
     (run / "scenario.json").write_text(json.dumps(meta))
-    cached = cache_root() / "real-tests" / "smol_refusal_hard-60-v1"
-    if (cached / "adapter_config.json").exists():
-        shutil.copytree(cached, run / "adapter")
-    else:
-        finetune_real(run, log=lambda *_: None)
-        tmp = cached.with_name(cached.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(run / "adapter", tmp)
-        shutil.rmtree(cached, ignore_errors=True)
-        tmp.rename(cached)
-    return run
+    return _finetuned_once(run, "smol_refusal_hard-60-v1")
 
 
 def test_smollm2_refusal_behaviour_is_queried_by_samples_and_finds_the_refusals(smol_refusal_run):
