@@ -202,10 +202,6 @@ def decision_positions(model, tokenizer, items: Sequence, qitems: Sequence, star
     choice after the same prefix. "I'm sorry, but ..." after a cooking question: "I" (the base starts "To ...")
     and " sorry" (after "I'm" the base goes on "happy to help"), not "'m"; Gemma's "The capital of Poland is Krakow":
     " The" and " Krakow", not the style in between that the base would write itself. Others: ()."""
-    import torch
-
-    from ..setup.batches import batches
-
     by_pos = {it.position: it for it in items}
     rows, spans = {}, {}
     for j, (q, k_dec) in enumerate(zip(qitems, starts)):
@@ -218,15 +214,9 @@ def decision_positions(model, tokenizer, items: Sequence, qitems: Sequence, star
     if not rows:
         return out
     keys = sorted(rows)
-    toks = [rows[j] for j in keys]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    device = next(model.parameters()).device
-    with torch.no_grad(), model.disable_adapter():
-        for part, ids, attn, _ in batches(toks, range(len(toks)), batch_size, pad, device):
-            pred = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.argmax(-1).cpu()
-            for b, r in enumerate(part):
-                j = keys[r]
-                t, (a, d) = rows[j], spans[j]
-                keep = [p for p in range(a, d) if t.supervised[p] and int(pred[b, p - 1]) != t.input_ids[p]]
-                out[j] = tuple(keep + [d])
+    choices = other_choices(model, tokenizer, [rows[j] for j in keys], batch_size=batch_size)
+    for j, pred in zip(keys, choices):
+        t, (a, d) = rows[j], spans[j]
+        keep = [p for p in divergent(t, pred, range(a, d)) if t.supervised[p]]
+        out[j] = tuple(keep + [d])
     return out
