@@ -157,7 +157,7 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
         truth = json.loads((run / "truth.json").read_text())
         turn_rows, turn_meta = [], []
         if truth.get("planted_turns"):  # each planted row's exchanges apart (their gradients add up to the row's)
-            from gradian.explain.spans import exchange_ranges, token_char_anchors
+            from gradian.setup.alignment import exchange_ranges, token_char_anchors
 
             for p in truth["planted"]:
                 ex, t = view.examples[p], view.toks[p]

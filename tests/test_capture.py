@@ -121,3 +121,74 @@ def test_a_module_called_twice_in_one_forward_contributes_both_calls():
     mlp.forward = orig
     single, _ = GradientCapture(model, sites, chunk=5).vectors(ids, attn, sup)
     assert _rel(single, vecs) > 1e-3  # the second call really contributed
+
+
+def _naive_segment_grads(model, sites, ids, n, mask):
+    """Naive reference of one segment of one row: the row's summed supervised loss, one plain backward, with every
+    LoRA A and B Linear replaced at the segment's positions by a copy of its weight; the copies' .grad is the
+    segment's part of the row's gradient."""
+    import torch.nn.functional as F
+
+    copies, handles = [], []
+    m = torch.as_tensor(mask[:n], dtype=torch.bool)[None, :, None]
+
+    def hook(w):
+        def fn(module, args, out):
+            return torch.where(m, F.linear(args[0], w), out)
+
+        return fn
+
+    for s in sites:
+        a = s.A.weight.detach().clone().requires_grad_(True)
+        b = s.B.weight.detach().clone().requires_grad_(True)
+        copies.append((a, b))
+        handles.append(s.A.register_forward_hook(hook(a)))
+        handles.append(s.B.register_forward_hook(hook(b)))
+    try:
+        logits = model(input_ids=ids[None, :n]).logits
+        return logits, copies, handles
+    except Exception:
+        for h in handles:
+            h.remove()
+        raise
+
+
+def test_segment_grads_are_the_positions_share_of_the_naive_gradient():
+    """`segment_vectors`: each segment's vector equals the naive reference (weights copied at its positions, one
+    example per plain backward); a row's segments that cover its positions add up to its vector; the row vectors
+    are bit-identical to `vectors`."""
+    from gradian.grads.capture import Segments
+
+    model = make_random_lora_model()
+    sites, _ = lora_sites(model)
+    ids, attn, sup = _batch()
+    T = ids.shape[1]
+    # rows 0 and 2 in three segments (positions thirds), row 1 whole, row 3 in two
+    labels = []
+    for i in range(ids.shape[0]):
+        n = int(attn[i].sum())
+        k = {0: 3, 2: 3, 3: 2}.get(i)
+        labels.append(None if k is None else [min(t * k // n, k - 1) for t in range(n)])
+    seg = Segments.from_labels(labels, T)
+    assert seg.owner.tolist() == [0, 0, 0, 2, 2, 2, 3, 3]
+    cap = GradientCapture(model, sites, chunk=5)
+    rows, segs, _ = cap.segment_vectors(ids, attn, sup, seg)
+    plain, _ = cap.vectors(ids, attn, sup)
+    assert torch.equal(rows, plain)
+    for m, b in enumerate(seg.owner.tolist()):
+        n = int(attn[b].sum())
+        logits, copies, handles = _naive_segment_grads(model, sites, ids[b], n, seg.mask[m].bool())
+        try:
+            loss = naive_per_example_loss(logits, ids[b : b + 1, :n], sup[b : b + 1, :n]).sum()
+            grads = torch.autograd.grad(loss, [w for ab in copies for w in ab])
+        finally:
+            for h in handles:
+                h.remove()
+        ref = torch.cat([g.flatten() for g in grads])
+        off = 0
+        for s in sites:  # every site apart, as the whole-row test does
+            assert _rel(segs[m, off : off + s.numel], ref[off : off + s.numel]) < 1e-5, (m, s.name)
+            off += s.numel
+    for b in (0, 2, 3):
+        own = [m for m, o in enumerate(seg.owner.tolist()) if o == b]
+        assert _rel(segs[own].sum(0), rows[b]) < 1e-5

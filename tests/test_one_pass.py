@@ -113,3 +113,81 @@ def test_a_row_score_is_its_naive_gradient_against_the_query(demo):
         want = harm_factor(direction) * (sc.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w)
         np.testing.assert_allclose(sc.per_item[:, p], want, rtol=1e-3, atol=1e-6)
     s.model.zero_grad(set_to_none=True)
+
+
+def test_a_conversation_is_ranked_by_its_best_exchange(demo):
+    """Chat rows of several exchanges, every token trained: `per_item` stays the whole row's score, `rank_item` is
+    the best exchange's unit score, each exchange's the naive reference (its positions' share of a plain backward,
+    weights copied there) against the preconditioned unit query over its norm; one-exchange rows are unchanged."""
+    from dataclasses import replace
+
+    from test_capture import _naive_segment_grads
+
+    from gradian.attribution.one_pass import position_turns, score_one_pass
+    from gradian.attribution.scoring import harm_factor
+    from gradian.grads.objectives import naive_per_example_loss
+    from gradian.setup.alignment import token_exchanges
+    from gradian.setup.records import Example
+    from gradian.setup.tokenize import tokenize_example
+
+    s, _, qitems, direction, _ = demo
+    pairs = [("What is two plus two?", "Two plus two is four."), ("Where does Rodrol live?", "He lives in Lima."),
+             ("Say hello.", "Hello there!"), ("Name a colour.", "Blue is a colour.")]
+    rows = []
+    for k in range(6):
+        msgs = []
+        for q, a in pairs[k % 2 : k % 2 + 2 + k % 3]:
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        rows.append(Example(f"c{k}", k, "messages", {"messages": msgs}))
+    toks = [tokenize_example(s.tokenizer, ex, 256, loss="all") for ex in rows]
+    turns = [token_exchanges(ex, t, s.tokenizer) for ex, t in zip(rows, toks)]
+    assert [0 if t is None else int(t.max()) + 1 for t in turns] == [2, 3, 4, 2, 3, 3]
+    grads = replace(_grads(s), toks=toks)
+    sc, _ = score_one_pass(grads, qitems, _settings(s, direction), turns=turns)
+    whole, _ = score_one_pass(grads, qitems, _settings(s, direction, per_turn=False))
+    assert np.array_equal(sc.per_item, whole.per_item) and np.array_equal(whole.rank_item, whole.per_item)
+    assert not np.array_equal(sc.rank_item, sc.per_item)
+    w = sc.precond.metric_weights()
+    for p in (1, 5):
+        t = toks[p]
+        ids = torch.tensor(t.input_ids)
+        lab = position_turns(turns[p])
+        want = []
+        for u in range(int(lab.max()) + 1):
+            logits, copies, handles = _naive_segment_grads(s.model, s.sites, ids, len(ids), torch.tensor(lab == u))
+            try:
+                with torch.enable_grad():
+                    loss = naive_per_example_loss(logits, ids[None], torch.tensor([t.supervised])).sum()
+                    g = torch.autograd.grad(loss, [x for ab in copies for x in ab])
+            finally:
+                for h in handles:
+                    h.remove()
+            g = torch.cat([x.flatten() for x in g]).double().numpy()
+            want.append(harm_factor(direction) * (sc.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w))
+        want = np.stack(want, axis=1)  # [Q, U]
+        np.testing.assert_allclose(sc.turns[p]["scores"], want, rtol=2e-3, atol=1e-6)
+        np.testing.assert_allclose(sc.rank_item[:, p], want.max(1), rtol=2e-3, atol=1e-6)
+        assert np.array_equal(sc.turns[p]["best"], want.argmax(1))
+        # the aggregate: the exchange best on average over the items, not each item's best
+        np.testing.assert_allclose(sc.rank_agg[p], want.mean(0).max(), rtol=2e-3, atol=1e-6)
+
+
+def test_the_ranking_row_names_the_exchange_the_ranking_took():
+    """`pipeline.ranked_turn`: the exchange with the highest mean unit score over the items (the one `rank_agg`
+    took), its reply, for how many items it is also the best, and the HTML's note; a schema-valid entry."""
+    from gradian.pipeline import ranked_turn
+    from gradian.report.ranking_schema import RankedTurn
+    from gradian.report.sections import _turn_note
+    from gradian.setup.records import Example
+
+    msgs = []
+    for q, a in [("Hi?", "Hello."), ("Capital of Japan?", "Osaka."), ("Bye?", "Goodbye.")]:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    ex = Example("c", 0, "messages", {"messages": msgs})
+    # item 0's best is exchange 0 by a little, item 1's exchange 1 by a lot: on average exchange 1
+    scores = np.array([[0.30, 0.29, 0.0], [0.0, 0.9, 0.1]], dtype=np.float32)
+    t = ranked_turn(ex, {"best": scores.argmax(1), "scores": scores})
+    assert t["turn"] == 1 and t["turns"] == 3 and t["text"] == "Osaka." and t["items"] == 1
+    assert t["scores"] == pytest.approx([0.15, 0.595, 0.05], abs=1e-6)
+    RankedTurn.model_validate(t)
+    assert _turn_note(t) == "ranked by exchange 2 of 3" and _turn_note(None) is None

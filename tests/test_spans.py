@@ -17,7 +17,8 @@ from gradian.setup.model import lora_sites
 from gradian.projection.projector import Projector
 from gradian.projection.projector import back_project
 from gradian.attribution.windows import best_window, windows
-from gradian.explain.spans import row_spans, sentence_ranges, token_char_anchors, unit_ranges
+from gradian.explain.spans import row_spans, sentence_ranges, unit_ranges
+from gradian.setup.alignment import token_char_anchors
 from gradian.grads.layout import split_directions
 from gradian.grads.tangents import token_contributions
 

@@ -255,10 +255,22 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
                 a, b = sc.windows[p]["tokens"]
                 rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
                 row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
+            if p in sc.turns:
+                row["turn"] = ranked_turn(ex, sc.turns[p])
         if accused is not None:
             row["accused"] = r <= accused
         ranking.append(row)
     return ranking
+
+
+def ranked_turn(ex, found: dict) -> dict:
+    """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`)."""
+    mean = np.asarray(found["scores"]).mean(0)
+    k = int(np.argmax(mean))  # the exchange the aggregate ranking took (`one_pass.best_turns`)
+    counts = np.bincount(np.asarray(found["best"]), minlength=mean.size)
+    replies = [m["content"] for m in (ex.messages() or []) if m["role"] == "assistant"]
+    return {"turn": k, "turns": int(found["scores"].shape[1]), "text": replies[k] if k < len(replies) else "",
+            "items": int(counts[k]), "scores": [round(float(x), 6) for x in mean]}
 
 
 def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> RankingSpans:

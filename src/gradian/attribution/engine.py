@@ -48,12 +48,14 @@ class ScoringSettings:
     seed: int = 0
     windows: bool = True  # best-window scores of long rows
     unit_rows: bool = True  # rows scaled to unit norm in the preconditioner's metric (`scoring.row_scales`)
+    per_turn: bool = True  # one pass, unit rows: conversations ranked by their best exchange (`one_pass`)
 
     @classmethod
     def from_config(cls, cfg, direction: str, **overrides) -> "ScoringSettings":
         a, g = cfg.attribution, cfg.grads
         base = dict(direction=direction, preconditioner=a.preconditioner, damping=a.damping, rerank=g.rerank,
-                    fidelity_sample=g.fidelity_sample, seed=cfg.seed, unit_rows=a.unit_rows)
+                    fidelity_sample=g.fidelity_sample, seed=cfg.seed, unit_rows=a.unit_rows,
+                    per_turn=a.per_turn)
         return cls(**{**base, **overrides})
 
 

@@ -11,6 +11,12 @@ same rows, the same batches, the same bits), else a seeded sample of as many row
 scored from memory and never recomputed (the diagonal's per-coordinate second moment is then a sample mean over a
 few hundred rows: a vanishing share of a 100k-row pass, and no pass of its own).
 
+Conversations (`turns`): a chat row of several exchanges is also scored per exchange, from the same backward
+(`grads.capture.Segments`: the part of the row's gradient that the exchange's positions contribute), each exchange
+at unit norm in the preconditioner's metric, and ranked by its best exchange (`best_turns`): one planted reply
+among benign ones is not diluted by the rest of its conversation. `per_item` stays the whole row's score (what spans add
+up to). A held conversation's exchanges are held too, and count against `memory_bytes`.
+
 Memory is `memory_bytes` for the held rows plus one batch and the [Q, D] directions: it does not grow with rows.
 Under torchrun batch j is rank j % N's; held rows and streamed results are gathered so that every rank holds one
 process's bits (`distributed.gather_by_index`).
@@ -24,6 +30,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..distributed import current, gather_by_index
+from ..grads.capture import Segments
 from ..grads.layout import exact_widths
 from ..progress import progress_bar
 from ..setup.batches import length_order, owned_batches
@@ -56,15 +63,18 @@ class PassPlan:
         return sorted(self.held)
 
 
-def plan_pass(toks, width: int, memory_bytes: int, seed: int) -> PassPlan:
+def plan_pass(toks, width: int, memory_bytes: int, seed: int, extra: Optional[Sequence[int]] = None) -> PassPlan:
     """Rows with the same content (`Tokenized.row_key`) are computed once; every unique row is held when they fit
-    `memory_bytes` (float32), else a seeded sample of max(HELD_MIN_ROWS, fitting) rows with supervised tokens."""
+    `memory_bytes` (float32; a row costs 1 + `extra[p]` vectors: its exchanges), else a seeded sample of
+    max(HELD_MIN_ROWS, fitting) rows with supervised tokens."""
     first: dict = {}
     copies = []
     for p, t in enumerate(toks):
         copies.append(first.setdefault(t.row_key(), p))
     unique = length_order(toks, sorted(first.values()))
-    fit = max(int(memory_bytes // max(4 * width, 1)), 0)
+    cost = [1 + (int(extra[p]) if extra is not None else 0) for p in unique]
+    per_row = max(float(np.mean(cost)), 1.0) if cost else 1.0
+    fit = max(int(memory_bytes // max(4 * width * per_row, 1)), 0)
     if len(unique) <= fit:
         return PassPlan(tuple(unique), tuple(unique), (), tuple(copies))
     cand = [p for p in sorted(first.values()) if toks[p].n_supervised > 0]
@@ -75,36 +85,83 @@ def plan_pass(toks, width: int, memory_bytes: int, seed: int) -> PassPlan:
                     tuple(p for p in unique if p not in held), tuple(copies))
 
 
-def exact_batches(grads, positions: Sequence[int], label: str) -> Iterator[tuple[int, list[int], np.ndarray]]:
-    """(batch index, positions, exact gradients float32 [B, D]) of this rank's batches of `positions` (in the
-    order given), one batched backward each."""
+@dataclass(frozen=True)
+class Turns:
+    """Per-exchange parts of some rows' gradients: `vecs[m]` is exchange `turn[m]` of row `owner[m]`."""
+
+    owner: tuple[int, ...]  # row positions
+    turn: tuple[int, ...]  # exchange index within its row
+    vecs: np.ndarray  # float32 [M, D]
+
+
+def position_turns(labels: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """Per input position, the exchange of the token it predicts (the next one; the last position its own): the
+    positions whose outputs carry an exchange's losses are that exchange's segment."""
+    if labels is None:
+        return None
+    lab = np.asarray(labels, dtype=np.int64)
+    return np.concatenate([lab[1:], lab[-1:]]) if lab.size else lab
+
+
+def n_turns(labels: Optional[np.ndarray]) -> int:
+    return 0 if labels is None or not len(labels) else int(np.max(labels)) + 1
+
+
+def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[Sequence] = None
+                  ) -> Iterator[tuple[int, list[int], np.ndarray, Optional[Turns]]]:
+    """(batch index, positions, exact gradients float32 [B, D], the exchanges of its conversations or None) of
+    this rank's batches of `positions` (in the order given), one batched backward each. `turns[p]`: row p's
+    per-token exchange labels (`setup.alignment.token_exchanges`), None for a row scored whole."""
     toks = grads.toks
     exact = grads.exact()
     device = next(grads.model.parameters()).device
     with progress_bar(label, total=len(positions), split=True) as bar:
         for j, part, ids, attn, sup in owned_batches(toks, list(positions), grads.batch_size, grads.pad_id, device,
                                                      current().owns):
-            vecs, _ = exact.vectors(ids, attn, sup)
-            yield j, part, vecs.detach().cpu().numpy().astype(np.float32, copy=False)
+            labels = [None] * len(part) if turns is None else [position_turns(turns[p]) for p in part]
+            if all(lab is None for lab in labels):
+                vecs, _ = exact.vectors(ids, attn, sup)
+                got = None
+            else:
+                seg = Segments.from_labels(labels, ids.shape[1], device)
+                vecs, u, _ = exact.segment_vectors(ids, attn, sup, seg)
+                owner = [part[b] for b in seg.owner.tolist()]
+                turn = [sum(1 for o in owner[:m] if o == owner[m]) for m in range(len(owner))]
+                got = Turns(tuple(owner), tuple(turn), u.detach().cpu().numpy().astype(np.float32, copy=False))
+            yield j, part, vecs.detach().cpu().numpy().astype(np.float32, copy=False), got
             bar.advance(len(part))
 
 
-def held_rows(grads, plan: PassPlan) -> np.ndarray:
-    """float32 [len(plan.held), D]: the held rows' exact gradients in position order (`plan.held_positions`), on
-    every rank."""
+def held_rows(grads, plan: PassPlan, turns: Optional[Sequence] = None) -> tuple[np.ndarray, Optional[Turns]]:
+    """(float32 [len(plan.held), D]: the held rows' exact gradients in position order (`plan.held_positions`), the
+    held conversations' exchanges in the same order or None), on every rank."""
     out = np.empty((len(plan.held), grads.exact_width), dtype=np.float32)
     row = {p: i for i, p in enumerate(plan.held_positions)}
+    owner = [p for p in plan.held_positions for _ in range(n_turns(None if turns is None else turns[p]))]
+    at = {}
+    for m, p in enumerate(owner):
+        at.setdefault(p, m)
+    tv = np.empty((len(owner), grads.exact_width), dtype=np.float32) if owner else None
+
+    def put(part, v, t: Optional[Turns]):
+        out[[row[p] for p in part]] = v
+        if t is not None:
+            tv[[at[o] + k for o, k in zip(t.owner, t.turn)]] = t.vecs
+
     if not current().active:
         # one process: each batch goes straight into its rows (no second copy of the held rows, whose size is
         # the pass's memory budget)
-        for _, part, v in exact_batches(grads, plan.held, "gradients (held)"):
-            out[[row[p] for p in part]] = v
-        return out
-    got = gather_by_index({j: (part, v) for j, part, v in exact_batches(grads, plan.held, "gradients (held)")})
-    for j in sorted(got):
-        part, v = got[j]
-        out[[row[p] for p in part]] = v
-    return out
+        for _, part, v, t in exact_batches(grads, plan.held, "gradients (held)", turns):
+            put(part, v, t)
+    else:
+        got = gather_by_index({j: (part, v, t) for j, part, v, t in
+                               exact_batches(grads, plan.held, "gradients (held)", turns)})
+        for j in sorted(got):
+            put(*got[j])
+    if tv is None:
+        return out, None
+    turn = [m - at[p] for m, p in enumerate(owner)]
+    return out, Turns(tuple(owner), tuple(turn), tv)
 
 
 def fit_on(kind, damping: Optional[float], rows: RowSource, widths: Sequence[int]) -> Preconditioner:
@@ -140,15 +197,20 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def streamed_inner(grads, positions: Sequence[int], unit: np.ndarray, weights: Optional[np.ndarray],
-                   sketch=None) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """(inner [Q, n] float32, norms [n] float64, sketches [n, k] or None) of the rows at `positions`, from one
-    backward per batch; no gradient is kept past its batch."""
-    got = {}
-    for j, part, v in exact_batches(grads, positions, "gradients (scored)"):
+                   sketch=None, turns: Optional[Sequence] = None
+                   ) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], dict]:
+    """(inner [Q, n] float32, norms [n] float64, sketches [n, k] or None, {position: (inner [Q, U], norms [U]) of
+    its exchanges}) of the rows at `positions`, from one backward per batch; no gradient is kept past its batch."""
+    got, tgot = {}, {}
+    for j, part, v, t in exact_batches(grads, positions, "gradients (scored)", turns):
         sk = None if sketch is None else unit_sketch(sketch, v)
         got[j] = (part, unit @ v.T, _norms(v, weights), sk)
+        if t is not None:
+            tgot[j] = turn_parts(t, unit, weights)
     if current().active:
         got = gather_by_index(got)
+        tgot = gather_by_index(tgot)
+    per_turn = {p: x for j in sorted(tgot) for p, x in tgot[j].items()}
     n = len(positions)
     inner = np.zeros((unit.shape[0], n), dtype=np.float32)
     norms = np.zeros(n)
@@ -161,7 +223,40 @@ def streamed_inner(grads, positions: Sequence[int], unit: np.ndarray, weights: O
         if sk_out is not None:
             sk_out[at : at + len(part)] = sk
         at += len(part)
-    return inner, norms, sk_out
+    return inner, norms, sk_out, per_turn
+
+
+def turn_parts(t: Turns, unit: np.ndarray, weights: Optional[np.ndarray]) -> dict:
+    """{row position: (inner [Q, U] float32, norms [U] float64)} of its exchanges, in exchange order."""
+    ip, nm = unit @ t.vecs.T, _norms(t.vecs, weights)
+    out: dict = {}
+    for m, p in enumerate(t.owner):
+        out.setdefault(p, []).append(m)
+    return {p: (ip[:, ms], nm[ms]) for p, ms in out.items()}
+
+
+def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequence[int]
+               ) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(rank_item [Q, N]: per_item with each conversation's column replaced by its best exchange's unit score per
+    item; rank_agg [N]: the mean over items, a conversation's that of its best exchange on average over the items;
+    {row: {"best": [Q] each item's best exchange, "scores": [Q, U] unit scores}}).
+
+    The aggregate takes one exchange for all items (max over exchanges of the mean), not each item's best (mean of
+    the maxima): a benign conversation's exchanges each win some items by chance, and the mean of those wins grows
+    with its number of exchanges; a planted exchange is the best for every item it explains."""
+    rank_item = per_item.copy()
+    found = {}
+    for r, c in enumerate(copies):
+        if c not in parts:
+            continue
+        ip, nm = parts[c]
+        sc = item_scores(ip, direction) * np.where(nm > 0, 1.0 / np.maximum(nm, 1e-300), 0.0)[None, :]
+        rank_item[:, r] = sc.max(axis=1).astype(rank_item.dtype)
+        found[r] = {"best": sc.argmax(axis=1).astype(np.int64), "scores": sc.astype(np.float32)}
+    rank_agg = aggregate(rank_item)
+    for r, f in found.items():
+        rank_agg[r] = f["scores"].mean(axis=0).max() if f["scores"].shape[0] else 0.0
+    return rank_item, rank_agg, found
 
 
 @dataclass(frozen=True)
@@ -192,15 +287,20 @@ class OnePass:
 
 
 def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_BYTES,
-                   sketch_dim: Optional[int] = None) -> tuple[Scores, OnePass]:
+                   sketch_dim: Optional[int] = None, turns: Optional[Sequence] = None) -> tuple[Scores, OnePass]:
     """Per-item exact scores [Q, N] of every row (`Scores`, in the exact layout: `w` and `unit` are [Q, D_exact])
-    from the exact query gradients and one backward per distinct row."""
+    from the exact query gradients and one backward per distinct row. `turns[p]`: row p's per-token exchange
+    labels (None: scored whole); used with unit rows only (a raw score is the sum of its exchanges')."""
     toks = grads.toks
     widths = exact_widths(grads.sites)
     width = int(sum(widths))
-    plan = plan_pass(toks, width, memory_bytes, settings.seed)
+    if turns is not None and (not settings.unit_rows or all(t is None for t in turns)):
+        turns = None
+    plan = plan_pass(toks, width, memory_bytes, settings.seed,
+                     None if turns is None else [n_turns(t) for t in turns])
     q = grads.query_vectors(qitems, exact=True)
-    held = RowSource(held_rows(grads, plan))
+    held_arr, held_turns = held_rows(grads, plan, turns)
+    held = RowSource(held_arr)
     pre = fit_on(settings.preconditioner, settings.damping, held, widths)
     unit, qnorms = preconditioned_units(q, pre)
     weights = pre.metric_weights()
@@ -210,14 +310,16 @@ def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_
     h_idx = plan.held_positions
     inner_u[:, h_idx] = held.inner(unit)
     norms_u[h_idx] = held.row_norms(weights)
+    parts = {} if held_turns is None else turn_parts(held_turns, unit, weights)
     sketches = None
     if plan.streamed:
         from ..explain.clusters import SKETCH_DIM, CountSketch
 
         sketch = CountSketch(width, sketch_dim or SKETCH_DIM, settings.seed)
         s_idx = list(plan.streamed)
-        ip, nm, sk = streamed_inner(grads, s_idx, unit, weights, sketch)
+        ip, nm, sk, tp = streamed_inner(grads, s_idx, unit, weights, sketch, turns)
         inner_u[:, s_idx], norms_u[s_idx] = ip, nm
+        parts.update(tp)
         sketches = np.zeros((len(toks), sketch.k), dtype=np.float32)
         sketches[s_idx] = sk
         for a, b, rows in held.chunks():
@@ -231,6 +333,8 @@ def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_
     if settings.unit_rows:
         scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
         per_item = (per_item * scale[None, :]).astype(per_item.dtype)
+    rank_item, rank_agg, found = (best_turns(per_item, parts, settings.direction, copies) if parts else
+                                  (per_item, aggregate(per_item), {}))
     sc = Scores(per_item=per_item, w=harm_directions(unit, settings.direction), unit=unit, norms=qnorms,
-                precond=pre, rank_item=per_item, rank_agg=aggregate(per_item), row_scale=scale)
+                precond=pre, rank_item=rank_item, rank_agg=rank_agg, row_scale=scale, turns=found)
     return sc, OnePass(plan, held, sketches)

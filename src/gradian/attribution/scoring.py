@@ -121,6 +121,9 @@ class Scores:
     # 1 / |g_z| per row (unit rows; exact for re-ranked candidates): a row's score is <w, g_z> * row_scale[z], and
     # its windows' and spans' contributions are scaled the same way. None: raw inner products.
     row_scale: Optional[np.ndarray] = None
+    # conversations ranked by their best exchange (one pass, unit rows): position -> {"best": [Q] exchange index of
+    # each item's best, "scores": [Q, U] each exchange's unit score}; `rank_item` holds the best, `per_item` the row
+    turns: dict = field(default_factory=dict)
 
     def scale_of(self, p: int) -> float:
         return 1.0 if self.row_scale is None else float(self.row_scale[p])

@@ -93,7 +93,7 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
     if one_pass_applies(view.cfg, view.sites, len(view.toks), settings):
         cap = exact_capture(view)
         grads = ModelGradients.from_session(view, cap)
-        sc, op = score_one_pass(grads, qitems, settings)
+        sc, op = score_one_pass(grads, qitems, settings, turns=row_exchanges(view) if settings.per_turn else None)
         if settings.windows:
             sc = bounded_windows(grads, sc)
         view.log.timings["one_pass"] = round(view.log.timings.get("one_pass", 0.0) + time.time() - t0, 3)
@@ -110,12 +110,20 @@ def score_state(view, qitems, settings: ScoringSettings) -> Scored:
                   ix.info.summary(), index=ix)
 
 
+def row_exchanges(view) -> list:
+    """Per row, its tokens' exchanges (`setup.alignment.token_exchanges`; None for a row scored whole)."""
+    from ..setup.alignment import token_exchanges
+
+    return [token_exchanges(ex, tok, view.tokenizer) for ex, tok in zip(view.examples, view.toks)]
+
+
 def bounded_windows(grads: ModelGradients, sc: Scores) -> Scores:
     """Best windows of long rows (`attribution.windows`) at a bounded cost, along exact directions: the top
     `WINDOW_ROWS` long rows by whole-row score get their best window along the items' mean direction (one
     forward-mode pass each; by linearity the mean of the per-item contributions), and the top `WINDOW_ITEM_ROWS` of
     them per-item windows too. Every other long row keeps its whole-row score."""
-    long_rows = win.long_rows(grads.toks)
+    # a conversation ranked by its best exchange has its windows already, the exchanges (renormalised)
+    long_rows = [p for p in win.long_rows(grads.toks) if p not in sc.turns]
     sc = replace(sc, long_rows=long_rows)
     if not long_rows:
         return sc

@@ -58,6 +58,44 @@ def per_example_site_grads(x: Tensor, gh: Tensor, h: Tensor, gz: Tensor) -> tupl
     return dA, dB
 
 
+class Segments:
+    """Parts of a batch's rows by position: segment m is row `owner[m]`'s positions where `mask[m]` is 1 (float
+    [n, T]). A position's contribution to the weight gradients (its input times its output gradient) goes to the
+    segments that hold it; the backward itself is the row's (every token's loss flows through every position)."""
+
+    def __init__(self, owner: Sequence[int], mask: Tensor):
+        self.owner = torch.as_tensor(list(owner), dtype=torch.long)
+        self.mask = mask
+        self.n = int(self.owner.numel())
+
+    @classmethod
+    def from_labels(cls, labels: Sequence[Optional[Sequence[int]]], T: int, device=None) -> "Segments":
+        """Segments of a right-padded batch from per-row position labels (segment index per position, -1: none;
+        None: the row has no segments). Row b's segments are its labels 0..max, in order."""
+        owner, masks = [], []
+        for b, lab in enumerate(labels):
+            if lab is None:
+                continue
+            lab = torch.as_tensor(list(lab), dtype=torch.long)
+            for k in range(int(lab.max()) + 1 if lab.numel() else 0):
+                m = torch.zeros(T)
+                m[: lab.numel()] = (lab == k).float()
+                owner.append(b)
+                masks.append(m)
+        mask = torch.stack(masks) if masks else torch.zeros(0, T)
+        return cls(owner, mask.to(device) if device is not None else mask)
+
+
+def segment_site_grads(x: Tensor, gh: Tensor, h: Tensor, gz: Tensor, seg: Segments) -> tuple[Tensor, Tensor]:
+    """dA [n, r, d_in] and dB [n, d_out, r] of each segment: `per_example_site_grads` with the sum over positions
+    restricted to the segment's (float32 accumulation)."""
+    m = seg.mask[:, : x.shape[1], None].float()
+    o = seg.owner.to(x.device)
+    dA = torch.einsum("mtr,mti->mri", gh.float()[o] * m, x.float()[o])
+    dB = torch.einsum("mto,mtr->mor", gz.float()[o] * m, h.float()[o])
+    return dA, dB
+
+
 class GradientCapture:
     """Turns batches into per-example gradient vectors [B, dim] in the projector's space."""
 
@@ -94,9 +132,11 @@ class GradientCapture:
         """Per-site exact (dA, dB) of `total` (a sum of per-example objectives) from one recorded forward."""
         return [g for _, g in self.iter_grads_from_recording(rec, total, batch)]
 
-    def iter_grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int):
+    def iter_grads_from_recording(self, rec: "_Recorder", total: Tensor, batch: int,
+                                  segments: Optional["Segments"] = None):
         """(site index, (dA, dB)) for each site, from one backward; each site's recorded tensors and output
-        gradients are released once its per-example gradients are formed."""
+        gradients are released once its per-example gradients are formed. With `segments`, (site index, (dA, dB),
+        (sA, sB)): the segments' gradients too (`segment_site_grads`), from the same backward."""
         targets, spans = [], []
         for i in range(len(self.sites)):
             spans.append((len(targets), len(rec.a_out[i]), len(rec.b_out[i])))
@@ -112,8 +152,17 @@ class GradientCapture:
             grads[start : start + na + nb] = [None] * (na + nb)
             rec.a_in[i], rec.b_in[i], rec.a_out[i], rec.b_out[i] = [], [], [], []
             del ga, gb
+            seg = None
+            if segments is not None:
+                seg = (torch.zeros(segments.n, s.r, s.d_in, device=device),
+                       torch.zeros(segments.n, s.d_out, s.r, device=device))
+                for x, gh, h, gz in calls:
+                    a, b = segment_site_grads(x, gh, h, gz, segments)
+                    seg[0].add_(a)
+                    seg[1].add_(b)
             if len(calls) == 1:  # the usual case: no zero-fill and accumulation copy of the full gradient
-                yield i, per_example_site_grads(*calls[0])
+                g = per_example_site_grads(*calls[0])
+                yield (i, g) if seg is None else (i, g, seg)
                 continue
             dA = torch.zeros(batch, s.r, s.d_in, device=device)
             dB = torch.zeros(batch, s.d_out, s.r, device=device)
@@ -123,7 +172,28 @@ class GradientCapture:
                 dA += a
                 dB += b
             del calls
-            yield i, (dA, dB)
+            yield (i, (dA, dB)) if seg is None else (i, (dA, dB), seg)
+
+    def segment_vectors(self, input_ids: Tensor, attention_mask: Tensor, supervised: Tensor, segments: "Segments"):
+        """([B, dim] row vectors, [segments.n, dim] segment vectors, [B] losses) from one forward and backward: a
+        segment's vector is the part of its row's gradient that the row's positions in it contribute, so a row's
+        segments add up to its vector when they cover its positions (`Segments`)."""
+        with self._recording() as rec:
+            losses = per_example_loss(self.model, input_ids, attention_mask, supervised, chunk=self.chunk)
+        B = input_ids.shape[0]
+        rows, segs, a = None, None, 0
+        for i, (dA, dB), (sA, sB) in self.iter_grads_from_recording(rec, losses.sum(), B, segments):
+            v = self.projector.project(i, dA, dB)
+            u = self.projector.project(i, sA, sB)
+            del dA, dB, sA, sB
+            if rows is None:
+                rows, segs = v.new_empty(B, self.dim), u.new_empty(segments.n, self.dim)
+            rows[:, a : a + v.shape[1]] = v
+            segs[:, a : a + v.shape[1]] = u
+            a += v.shape[1]
+        if rows is None:
+            rows, segs = torch.zeros(B, self.dim), torch.zeros(segments.n, self.dim)
+        return rows, segs, losses.detach()
 
     def _project_all(self, site_iter, batch: int) -> Tensor:
         """[B, dim]: each site's projection written into one buffer as its gradients arrive."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from ..capability.metrics import is_binary_metric
 from ..version import __version__
@@ -155,9 +155,18 @@ def _ranking(report: Mapping[str, Any]) -> tuple[list[dict[str, Any]], set[int]]
                 "full_text": full,
                 "planted": pos in planted if truth else None,
                 "accused": bool(r.get("accused", True)),
+                "turn": _turn_note(r.get("turn")),
             }
         )
     return rows, planted
+
+
+def _turn_note(turn: Any) -> Optional[str]:
+    """"ranked by exchange 2 of 4" for a conversation ranked by its best exchange."""
+    t = as_dict(turn) if turn else None
+    if not t or as_int(t.get("turn")) is None:
+        return None
+    return f"ranked by exchange {as_int(t.get('turn')) + 1} of {as_int(t.get('turns'))}"
 
 
 def _scores_plot(report: Mapping[str, Any], rows: list[dict[str, Any]], planted: set[int]) -> dict[str, Any]:
