@@ -8,7 +8,11 @@ place as `verify` does it) three times, each time without one set of rows, and r
 
 * ``unplanted``: the accused rows the scenario did not plant;
 * ``planted``: the planted rows (all of them, accused or not);
-* ``random``: as many random rows as ``unplanted``, drawn from the rows that are neither accused nor planted.
+* ``random``: as many random rows as ``unplanted``, drawn from the rows that are neither accused nor planted;
+* ``gradian``, ``bm25``, ``bm25_question``, ``repsim``: each method's top ``--k`` rows (default: as many as planted)
+  on the report's failing items (Gradian's ranking from ``scores.npy``; the baselines of
+  ``gradian.explain.baselines``): where the planted truth is disputed, the removal that repairs more broken items
+  names more of the cause.
 
 For each set it prints how many of the items the fine-tune broke (base passes, fine-tune fails) the retrain repairs
 (passes again), and the eval's capability. If removing the unplanted accused rows repairs items and the random set
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--run", required=True, help="a scenario directory of bench/real_models.py (with bench-out/)")
     ap.add_argument("--sets", default="unplanted,planted,random", help="which retrains, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-out", help="the run's report directory (relative to --run)")
+    ap.add_argument("--k", type=int, default=0, help="rows per method's top-k set (0: as many as planted)")
     args = ap.parse_args()
 
     from gradian.config import load_config
@@ -48,10 +54,10 @@ def main() -> None:
     from gradian.validate.retrain import RetrainJob, RetrainSettings, measure_adapter, retrain_many, retrain_recipe
 
     run = Path(args.run).resolve()
-    rep = load_report(run / "bench-out")
+    rep = load_report(run / args.out)
     planted = sorted(json.loads((run / "truth.json").read_text())["planted"])
     accused = sorted(rep.accused.positions)
-    cfg = load_config(run / "gradian.yaml", ["output=bench-out"])
+    cfg = load_config(run / "gradian.yaml", [f"output={args.out}"])
     s = open_session(cfg, load_model_=False)
     n = len(s.examples)
     items = rep.capability.items
@@ -63,6 +69,19 @@ def main() -> None:
     pool = [i for i in range(n) if i not in set(accused) | set(planted)]
     sets = {"unplanted": unplanted, "planted": planted,
             "random": sorted(int(x) for x in rng.choice(pool, size=len(unplanted), replace=False))}
+    wanted = [x for x in args.sets.split(",") if x]
+    k = args.k or len(planted)
+    if "gradian" in wanted:
+        sets["gradian"] = top_k(np.load(run / args.out / "scores.npy"), k)
+    methods = [m for m in ("bm25", "bm25_question", "repsim") if m in wanted]
+    if methods:
+        from gradian.attribution.scoring import aggregate
+        from gradian.explain.baselines import compute_baselines
+
+        bs = s if "repsim" not in methods else open_session(cfg)
+        per = compute_baselines(bs, [it.model_dump(by_alias=True, exclude_unset=True) for it in rep.query.items],
+                                which=methods)
+        sets.update({m: top_k(aggregate(per[m]), k) for m in methods})
     recipe, _ = retrain_recipe(cfg)
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
     out = {"run": str(run), "rows": n, "planted": planted, "accused": accused, "broken_items": broken.tolist(),
@@ -70,8 +89,8 @@ def main() -> None:
     print(f"{run.name}: {n} rows, {len(planted)} planted, {len(accused)} accused ({len(unplanted)} not planted); "
           f"{len(broken)} items broken by the fine-tune; capability {base.mean():.3f} -> {tuned.mean():.3f}",
           flush=True)
-    work = run / "counterfactual"
-    jobs = [RetrainJob(name, tuple(sets[name]), work / name) for name in [x for x in args.sets.split(",") if x]]
+    work = run / "counterfactual"  # one folder per set: runs of different sets can share it
+    jobs = [RetrainJob(name, tuple(sets[name]), work / name) for name in wanted]
 
     def report(j: int, r) -> None:
         sc, gen = np.array(r.measured[0], dtype=float), r.measured[1]
@@ -88,6 +107,11 @@ def main() -> None:
     settings = RetrainSettings(cfg, recipe, user_adapter, progress=False)
     retrain_many(settings, jobs, lambda job, path: measure_adapter(cfg, path, s), after=report)
     print(json.dumps(out))
+
+
+def top_k(scores: np.ndarray, k: int) -> list[int]:
+    """The k highest-scoring rows (ties by position), in position order."""
+    return sorted(int(p) for p in np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")[:k])
 
 
 if __name__ == "__main__":

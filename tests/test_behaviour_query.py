@@ -50,8 +50,12 @@ def test_weights_are_the_mean_over_the_fine_tunes_side():
     assert w == {"no": -0.5, "nope": -0.5}  # L_q = mean log-lik of the failing answers (empty ones dropped)
     assert dict(behaviour_weights(ss, "improvement")) == {"yes": 1.0}  # minus that of the passing ones
     q = QueryItem(0, "p", "x", "g", "b", "own_words")
-    kept, = with_samples([q], [(Sample("yes", "tuned", True),)], "regression")
-    assert kept is q  # no failing answer among the samples: the own-words query stays
+    greedy, = with_samples([q], [(Sample("yes", "tuned", True),)], "regression")
+    # no failing answer among the samples: the fine-tune's greedy (failing) answer alone is the class
+    assert greedy.formulation == "behaviour" and greedy.samples == (("g", -1.0),)
+    empty = QueryItem(0, "p", "x", " ", "b", "own_words")
+    kept, = with_samples([empty], [(Sample("yes", "tuned", True),)], "regression")
+    assert kept is empty  # and with no greedy answer either, the own-words query stays
     imp, = with_samples([q], [(Sample("yes", "tuned", True),)], "improvement")
     assert imp.formulation == "behaviour" and imp.samples == (("yes", 1.0),)
 

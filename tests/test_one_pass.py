@@ -168,13 +168,12 @@ def test_a_conversation_is_ranked_by_its_best_exchange(demo):
         np.testing.assert_allclose(sc.turns[p]["scores"], want, rtol=2e-3, atol=1e-6)
         np.testing.assert_allclose(sc.rank_item[:, p], want.max(1), rtol=2e-3, atol=1e-6)
         assert np.array_equal(sc.turns[p]["best"], want.argmax(1))
-        # the aggregate: the exchange best on average over the items, not each item's best
-        np.testing.assert_allclose(sc.rank_agg[p], want.mean(0).max(), rtol=2e-3, atol=1e-6)
+        np.testing.assert_allclose(sc.rank_agg[p], want.max(1).mean(), rtol=2e-3, atol=1e-6)
 
 
 def test_the_ranking_row_names_the_exchange_the_ranking_took():
-    """`pipeline.ranked_turn`: the exchange with the highest mean unit score over the items (the one `rank_agg`
-    took), its reply, for how many items it is also the best, and the HTML's note; a schema-valid entry."""
+    """`pipeline.ranked_turn`: the exchange whose wins add the most to the row's ranking score, its reply, how many
+    items it wins, every exchange's mean score, and the HTML's note; a schema-valid entry."""
     from gradian.pipeline import ranked_turn
     from gradian.report.ranking_schema import RankedTurn
     from gradian.report.sections import _turn_note
@@ -184,10 +183,10 @@ def test_the_ranking_row_names_the_exchange_the_ranking_took():
     for q, a in [("Hi?", "Hello."), ("Capital of Japan?", "Osaka."), ("Bye?", "Goodbye.")]:
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     ex = Example("c", 0, "messages", {"messages": msgs})
-    # item 0's best is exchange 0 by a little, item 1's exchange 1 by a lot: on average exchange 1
-    scores = np.array([[0.30, 0.29, 0.0], [0.0, 0.9, 0.1]], dtype=np.float32)
+    # items 0 and 1 won by exchange 0 by a little, item 2 by exchange 1 by a lot: exchange 1 carries the score
+    scores = np.array([[0.30, 0.29, 0.0], [0.2, 0.1, 0.0], [0.0, 0.9, 0.1]], dtype=np.float32)
     t = ranked_turn(ex, {"best": scores.argmax(1), "scores": scores})
     assert t["turn"] == 1 and t["turns"] == 3 and t["text"] == "Osaka." and t["items"] == 1
-    assert t["scores"] == pytest.approx([0.15, 0.595, 0.05], abs=1e-6)
+    assert t["scores"] == pytest.approx([0.5 / 3, 1.29 / 3, 0.1 / 3], abs=1e-6)
     RankedTurn.model_validate(t)
     assert _turn_note(t) == "ranked by exchange 2 of 3" and _turn_note(None) is None

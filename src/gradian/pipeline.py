@@ -264,13 +264,15 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
 
 
 def ranked_turn(ex, found: dict) -> dict:
-    """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`)."""
-    mean = np.asarray(found["scores"]).mean(0)
-    k = int(np.argmax(mean))  # the exchange the aggregate ranking took (`one_pass.best_turns`)
-    counts = np.bincount(np.asarray(found["best"]), minlength=mean.size)
+    """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`): the exchange whose wins
+    (the items it is the best exchange of) add the most to the row's ranking score."""
+    scores, best = np.asarray(found["scores"]), np.asarray(found["best"])
+    U = scores.shape[1]
+    share = np.array([scores[best == u, u].sum() for u in range(U)])
+    k = int(np.argmax(share))
     replies = [m["content"] for m in (ex.messages() or []) if m["role"] == "assistant"]
-    return {"turn": k, "turns": int(found["scores"].shape[1]), "text": replies[k] if k < len(replies) else "",
-            "items": int(counts[k]), "scores": [round(float(x), 6) for x in mean]}
+    return {"turn": k, "turns": int(U), "text": replies[k] if k < len(replies) else "",
+            "items": int((best == k).sum()), "scores": [round(float(x), 6) for x in scores.mean(0)]}
 
 
 def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> RankingSpans:

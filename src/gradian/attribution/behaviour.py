@@ -24,8 +24,13 @@ ordinary help, which every ordinary row teaches, and it cancels the part of the 
 about the prompt; the first 3 answer tokens alone were worse too (0.912).
 
 Each sampled answer is one row of `queries.query_rows` (weight = its coefficient), so `queries.query_vectors`
-differentiates the whole query in one pass and `queries.query_losses` evaluates the same function. An item with no
-sampled answer on the fine-tune's side keeps its own-words query.
+differentiates the whole query in one pass and `queries.query_losses` evaluates the same function.
+
+An item with no sampled answer on the fine-tune's side (a fine-tune whose greedy answer refuses while most of its
+samples at temperature 1 help) is queried by its greedy answer alone, the fine-tune's most likely member of the
+class: on smol_multiturn_refusal 6 of 9 items had no failing sample, and their own-words decisive token ("I" of
+"I'm ...") ranked the refusals worded otherwise low (AUPRC 0.820, recall 0.75; the greedy answer: 0.893, 0.85;
+bench/README.md). Only an item with an empty greedy answer keeps its own-words query.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from ..capability.evaluate import _stop_ids, answer_text
 from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES",
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES",
            "resolve_formulation"]
 
 BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
@@ -113,14 +118,22 @@ def behaviour_weights(samples: Sequence[Sample], direction: str) -> tuple[tuple[
 
 
 def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], direction: str) -> list:
-    """The queries as behaviour queries over their samples; an item with no sample on the fine-tune's side (no
-    failing answer for a regression) keeps its query (the class is not in the models' sampled answers: nothing to
-    average)."""
+    """The queries as behaviour queries over their samples. An item with no sample on the fine-tune's side (no
+    failing answer for a regression) is queried by the fine-tune's greedy answer alone (`q.generated`: on the
+    fine-tune's side by definition of a failing item, and its most likely answer); with an empty greedy answer too,
+    it keeps its query."""
     out = []
     for q, ss in zip(qitems, samples):
-        w = behaviour_weights(ss, direction)
+        w = behaviour_weights(ss, direction) or greedy_weights(q, direction)
         out.append(replace(q, formulation="behaviour", samples=w) if w else q)
     return out
+
+
+def greedy_weights(q, direction: str) -> tuple[tuple[str, float], ...]:
+    """The fine-tune's greedy answer as the one answer on its side (`behaviour_weights`' sign), or () when empty."""
+    if not q.generated.strip():
+        return ()
+    return ((q.generated, -1.0 if direction != "improvement" else 1.0),)
 
 
 def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:

@@ -235,15 +235,14 @@ def turn_parts(t: Turns, unit: np.ndarray, weights: Optional[np.ndarray]) -> dic
     return {p: (ip[:, ms], nm[ms]) for p, ms in out.items()}
 
 
-def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequence[int]
-               ) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(rank_item [Q, N]: per_item with each conversation's column replaced by its best exchange's unit score per
-    item; rank_agg [N]: the mean over items, a conversation's that of its best exchange on average over the items;
-    {row: {"best": [Q] each item's best exchange, "scores": [Q, U] unit scores}}).
+def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequence[int]) -> tuple[np.ndarray, dict]:
+    """(rank_item [Q, N]: per_item with each conversation's column replaced by each item's best exchange's unit
+    score, {row: {"best": [Q] each item's best exchange, "scores": [Q, U] unit scores}}).
 
-    The aggregate takes one exchange for all items (max over exchanges of the mean), not each item's best (mean of
-    the maxima): a benign conversation's exchanges each win some items by chance, and the mean of those wins grows
-    with its number of exchanges; a planted exchange is the best for every item it explains."""
+    Each item takes its own best exchange (the aggregate is the mean of those): one conversation can hold the cause
+    of some items in one reply and of others in another, and a planted reply usually explains a few of the failing
+    items only. Measured against one exchange for all items (the max over exchanges of the mean): smol_multiturn
+    AUPRC 0.824 against 0.794, smol_multiturn_refusal 0.820 against 0.823 (bench/README.md)."""
     rank_item = per_item.copy()
     found = {}
     for r, c in enumerate(copies):
@@ -253,10 +252,7 @@ def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequen
         sc = item_scores(ip, direction) * np.where(nm > 0, 1.0 / np.maximum(nm, 1e-300), 0.0)[None, :]
         rank_item[:, r] = sc.max(axis=1).astype(rank_item.dtype)
         found[r] = {"best": sc.argmax(axis=1).astype(np.int64), "scores": sc.astype(np.float32)}
-    rank_agg = aggregate(rank_item)
-    for r, f in found.items():
-        rank_agg[r] = f["scores"].mean(axis=0).max() if f["scores"].shape[0] else 0.0
-    return rank_item, rank_agg, found
+    return rank_item, found
 
 
 @dataclass(frozen=True)
@@ -333,8 +329,7 @@ def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_
     if settings.unit_rows:
         scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
         per_item = (per_item * scale[None, :]).astype(per_item.dtype)
-    rank_item, rank_agg, found = (best_turns(per_item, parts, settings.direction, copies) if parts else
-                                  (per_item, aggregate(per_item), {}))
+    rank_item, found = best_turns(per_item, parts, settings.direction, copies) if parts else (per_item, {})
     sc = Scores(per_item=per_item, w=harm_directions(unit, settings.direction), unit=unit, norms=qnorms,
-                precond=pre, rank_item=rank_item, rank_agg=rank_agg, row_scale=scale, turns=found)
+                precond=pre, rank_item=rank_item, rank_agg=aggregate(rank_item), row_scale=scale, turns=found)
     return sc, OnePass(plan, held, sketches)

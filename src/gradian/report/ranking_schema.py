@@ -44,14 +44,13 @@ class TopTurn(_Model):
 
 class RankedTurn(_Model):
     """Conversations ranked by their best exchange (`attribution.per_turn`): each exchange's part of the row's
-    gradient at unit norm against each failing item; the row's ranking score is its best exchange's mean over the
-    items (per item, each item's best exchange's)."""
+    gradient at unit norm against each failing item; per item the row's ranking score is its best exchange's."""
 
-    turn: int = Field(description="0-based index of the exchange the ranking score is: the highest mean over the "
-                                  "failing items.")
+    turn: int = Field(description="0-based index of the exchange that adds the most to the row's ranking score "
+                                  "(the sum of its scores on the items it is the best exchange of).")
     turns: int = Field(description="How many exchanges the row has.")
     text: str = Field(description="That exchange's assistant reply.")
-    items: int = Field(description="For how many of the failing items it is also each item's best exchange.")
+    items: int = Field(description="For how many of the failing items it is the best exchange.")
     scores: list[float] = Field(description="Every exchange's unit score, averaged over the failing items, in "
                                             "conversation order.")
 
