@@ -184,9 +184,9 @@ class AttributionConfig(_Section):
     # Scale every training row to unit norm in the preconditioner's metric (a cosine): raw inner products let
     # high-loss, long or chatty rows dominate and memorised rows vanish at the final adapter.
     unit_rows: bool = True
-    # Conversations of several exchanges ranked by their best exchange, each at unit norm (with unit_rows, in the
-    # one pass): one planted reply is not diluted by the benign turns around it. The report's per-item scores stay
-    # the whole row's.
+    # Conversations of several exchanges ranked by their best exchange, each at unit norm (with unit_rows; such a
+    # set takes the one pass): one planted reply is not diluted by the benign turns around it. The report's
+    # per-item scores stay the whole row's.
     per_turn: bool = True
     # Which adapters the scores come from. earliest (the default): the earliest saved checkpoint alone (before the
     # fine-tune memorised its rows; the final adapter when none was saved), one pass over the rows; auto: averaged

@@ -11,6 +11,7 @@ scored the same way.
 Per state, the scores are exact. When the exact index is small enough to store (`grads.projection_dim: auto`
 keeps it exact: the built-in models), it is the row source (cached, resumable, one pass when built); otherwise one
 pass over the rows computes the exact scores directly (`attribution.one_pass`) and no projected index is built.
+Conversations ranked by exchange (`attribution.per_turn`) always take the one pass: the index holds whole rows.
 A projected index is scored (with its exact re-rank) only where the preconditioner works on one (`ekfac`) or the
 optimizer-aware scores need the final adapter's index (`attribution.optimizer: adamw`), or where
 `grads.projection_dim` asks for a fixed width.
@@ -87,13 +88,25 @@ def exact_capture(s) -> GradientCapture:
     return GradientCapture(s.model, s.sites, Projector(site_shapes(s.sites)), chunk=s.cfg.grads.loss_chunk_tokens)
 
 
+def conversations(view, settings: ScoringSettings) -> Optional[list]:
+    """Per row its tokens' exchanges when conversations are ranked by exchange (`attribution.per_turn` with unit
+    rows, a row-space preconditioner) and some row has two exchanges or more; else None."""
+    if not (settings.per_turn and settings.unit_rows) or preconditioner_class(settings.preconditioner).parameter_space:
+        return None
+    turns = row_exchanges(view)
+    return turns if any(t is not None for t in turns) else None
+
+
 def score_state(view, qitems, settings: ScoringSettings) -> Scored:
-    """The scores of the session view's active adapter alone."""
+    """The scores of the session view's active adapter alone. Conversations ranked by exchange take the one pass
+    even where the exact index would be stored (the index holds whole rows; with every row held the pass is the
+    exact index's maths, `one_pass`)."""
     t0 = time.time()
-    if one_pass_applies(view.cfg, view.sites, len(view.toks), settings):
+    turns = conversations(view, settings) if view.cfg.grads.projection_dim == "auto" else None
+    if turns is not None or one_pass_applies(view.cfg, view.sites, len(view.toks), settings):
         cap = exact_capture(view)
         grads = ModelGradients.from_session(view, cap)
-        sc, op = score_one_pass(grads, qitems, settings, turns=row_exchanges(view) if settings.per_turn else None)
+        sc, op = score_one_pass(grads, qitems, settings, turns=turns)
         if settings.windows:
             sc = bounded_windows(grads, sc)
         view.log.timings["one_pass"] = round(view.log.timings.get("one_pass", 0.0) + time.time() - t0, 3)
