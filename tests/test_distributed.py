@@ -315,3 +315,20 @@ def test_verify_spreads_its_retrains_over_ranks_and_gets_one_process_result(one_
         assert a == b, key
     assert got[2]["confirmed"] is True and got[2]["reference"]["reproduced_bit_for_bit"]
     assert not (demo_cfg.parent / "out2" / "verify").exists()  # the retrained adapters removed, by rank 0
+
+
+def test_conversations_ranked_by_exchange_over_two_processes_equal_one(tmp_path):
+    """The one pass with per-exchange parts (tiny conversation4) under torchrun: held rows' exchanges and streamed
+    batches' exchanges gathered in order, the same scores bit for bit and the same `turn` of every ranking row."""
+    from test_precondition import trained_scenario
+
+    cfg_path = trained_scenario(tmp_path / "conv4", "conversation4", 0)
+    outs = {}
+    for n in (1, 2):
+        p = gradian("attribute", str(cfg_path), "--set", f"output=out{n}", nproc=n)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        outs[n] = cfg_path.parent / f"out{n}"
+    assert np.array_equal(np.load(outs[1] / "scores.npy"), np.load(outs[2] / "scores.npy"))
+    a, b = (json.loads((o / "report.json").read_text()) for o in outs.values())
+    assert [r.get("turn") for r in a["ranking"]] == [r.get("turn") for r in b["ranking"]]
+    assert all("turn" in r for r in a["ranking"])
