@@ -226,9 +226,18 @@ def streamed_inner(grads, positions: Sequence[int], unit: np.ndarray, weights: O
     return inner, norms, sk_out, per_turn
 
 
+TURN_CHUNK = 32  # exchange vectors reduced at a time (their float64 squares are a copy of the chunk)
+
+
 def turn_parts(t: Turns, unit: np.ndarray, weights: Optional[np.ndarray]) -> dict:
     """{row position: (inner [Q, U] float32, norms [U] float64)} of its exchanges, in exchange order."""
-    ip, nm = unit @ t.vecs.T, _norms(t.vecs, weights)
+    M = t.vecs.shape[0]
+    ip = np.zeros((unit.shape[0], M), dtype=np.float32)
+    nm = np.zeros(M)
+    for a in range(0, M, TURN_CHUNK):
+        v = t.vecs[a : a + TURN_CHUNK]
+        ip[:, a : a + v.shape[0]] = unit @ v.T
+        nm[a : a + v.shape[0]] = _norms(v, weights)
     out: dict = {}
     for m, p in enumerate(t.owner):
         out.setdefault(p, []).append(m)
