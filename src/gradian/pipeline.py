@@ -301,8 +301,9 @@ def _scoring_flags(s: Session, scored: Scored, n_items: int) -> None:
             s.log.flag("attribution.windows_aggregate_only", "info",
                        f"{len(sc.long_rows)} long rows: the {min(len(sc.long_rows), WINDOW_ROWS)} with the highest "
                        f"whole-row score got their best-window score for the aggregate ranking, and the "
-                       f"{len(sc.window_item_rows)} highest of them per item too; the other rows are ranked by their "
-                       "whole-row score")
+                       f"{len(sc.window_item_rows)} highest of them per item too; the other long rows are ranked by "
+                       "their whole-row score" + (" (conversations of several exchanges are ranked by their best "
+                                                  "exchange and not windowed)" if sc.turns else ""))
         else:
             s.log.flag("attribution.windows_aggregate_only", "info",
                        f"{n_items} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "

@@ -90,7 +90,10 @@ def windows_entry(scored) -> dict:
 
     sc = scored.scores
     if scored.one_pass is not None:
-        rule = (f"of the rows with more than {WINDOW_TOKENS} supervised tokens, the {WINDOW_ROWS} with the highest "
+        turns = (f"the {len(sc.turns)} conversations of several exchanges are ranked per item by their best exchange "
+                 "(each exchange's part of the row's gradient at unit norm); of the other rows with" if sc.turns else
+                 "of the rows with")
+        rule = (f"{turns} more than {WINDOW_TOKENS} supervised tokens, the {WINDOW_ROWS} with the highest "
                 f"whole-row score are ranked by their best window ({WINDOW_TOKENS} supervised tokens, stride "
                 f"{WINDOW_STRIDE}; per item for the top {WINDOW_ITEM_ROWS} of them); every other row by its total "
                 "score; scores.npy holds the ranking score, scores_total.npy the totals")

@@ -255,7 +255,8 @@ class Windows(_Model):
 
     tokens: int = Field(description="Supervised tokens per window.")
     stride: int = Field(description="Window stride in supervised tokens.")
-    long_rows: int = Field(description="Rows longer than one window.")
+    long_rows: int = Field(description="Rows longer than one window that are windowed (conversations ranked by "
+                                       "exchange are not).")
     per_item_rows: int = Field(description="Long rows that got per-item window scores.")
     rule: str = Field(description="The rule in plain words.")
 
