@@ -170,7 +170,7 @@ def test_segment_grads_are_the_positions_share_of_the_naive_gradient():
         k = {0: 3, 2: 3, 3: 2}.get(i)
         labels.append(None if k is None else [min(t * k // n, k - 1) for t in range(n)])
     seg = Segments.from_labels(labels, T)
-    assert seg.owner.tolist() == [0, 0, 0, 2, 2, 2, 3, 3]
+    assert seg.owner.tolist() == [0, 0, 0, 2, 2, 2, 3, 3] and seg.index == [0, 1, 2, 0, 1, 2, 0, 1]
     cap = GradientCapture(model, sites, chunk=5)
     rows, segs, _ = cap.segment_vectors(ids, attn, sup, seg)
     plain, _ = cap.vectors(ids, attn, sup)

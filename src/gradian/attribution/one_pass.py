@@ -125,9 +125,8 @@ def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[S
             else:
                 seg = Segments.from_labels(labels, ids.shape[1], device)
                 vecs, u, _ = exact.segment_vectors(ids, attn, sup, seg)
-                owner = [part[b] for b in seg.owner.tolist()]
-                turn = [sum(1 for o in owner[:m] if o == owner[m]) for m in range(len(owner))]
-                got = Turns(tuple(owner), tuple(turn), u.detach().cpu().numpy().astype(np.float32, copy=False))
+                got = Turns(tuple(part[b] for b in seg.owner.tolist()), tuple(seg.index),
+                            u.detach().cpu().numpy().astype(np.float32, copy=False))
             yield j, part, vecs.detach().cpu().numpy().astype(np.float32, copy=False), got
             bar.advance(len(part))
 

@@ -63,16 +63,17 @@ class Segments:
     [n, T]). A position's contribution to the weight gradients (its input times its output gradient) goes to the
     segments that hold it; the backward itself is the row's (every token's loss flows through every position)."""
 
-    def __init__(self, owner: Sequence[int], mask: Tensor):
+    def __init__(self, owner: Sequence[int], mask: Tensor, index: Optional[Sequence[int]] = None):
         self.owner = torch.as_tensor(list(owner), dtype=torch.long)
         self.mask = mask
         self.n = int(self.owner.numel())
+        self.index = list(index) if index is not None else [0] * self.n  # each segment's label within its row
 
     @classmethod
     def from_labels(cls, labels: Sequence[Optional[Sequence[int]]], T: int, device=None) -> "Segments":
         """Segments of a right-padded batch from per-row position labels (segment index per position, -1: none;
         None: the row has no segments). Row b's segments are its labels 0..max, in order."""
-        owner, masks = [], []
+        owner, index, masks = [], [], []
         for b, lab in enumerate(labels):
             if lab is None:
                 continue
@@ -81,9 +82,10 @@ class Segments:
                 m = torch.zeros(T)
                 m[: lab.numel()] = (lab == k).float()
                 owner.append(b)
+                index.append(k)
                 masks.append(m)
         mask = torch.stack(masks) if masks else torch.zeros(0, T)
-        return cls(owner, mask.to(device) if device is not None else mask)
+        return cls(owner, mask.to(device) if device is not None else mask, index)
 
 
 def segment_site_grads(x: Tensor, gh: Tensor, h: Tensor, gz: Tensor, seg: Segments) -> tuple[Tensor, Tensor]:
