@@ -14,6 +14,12 @@ place as `verify` does it) three times, each time without one set of rows, and r
   ``gradian.explain.baselines``): where the planted truth is disputed, the removal that repairs more broken items
   names more of the cause.
 
+``--train-seed N`` retrains every set under data-order seed N instead of the recipe's, and the whole set too
+(``full``): the items the fine-tune broke are then those the full retrain at N breaks, so a difference between two
+removals can be told from what one retrain's data order does (results under ``counterfactual/seedN/``). Each
+retrain's measurement is kept beside its adapter (``measured.json``) and reused by a later run asking for the same
+set, so two processes can share the sets of one seed.
+
 For each set it prints how many of the items the fine-tune broke (base passes, fine-tune fails) the retrain repairs
 (passes again), and the eval's capability. If removing the unplanted accused rows repairs items and the random set
 does not, those rows are causes of the failure and the truth file is incomplete, not the report wrong. One torch
@@ -46,6 +52,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out", help="the run's report directory (relative to --run)")
     ap.add_argument("--k", type=int, default=0, help="rows per method's top-k set (0: as many as planted)")
+    ap.add_argument("--train-seed", type=int, default=None,
+                    help="retrain every set and the whole set ('full') under this data-order seed")
     args = ap.parse_args()
 
     from gradian.config import load_config
@@ -83,30 +91,69 @@ def main() -> None:
                                 which=methods)
         sets.update({m: top_k(aggregate(per[m]), k) for m in methods})
     recipe, _ = retrain_recipe(cfg)
+    work = run / "counterfactual"  # one folder per set: runs of different sets can share it
+    if args.train_seed is not None:
+        recipe = reseeded(recipe, args.train_seed)
+        work = work / f"seed{args.train_seed}"
+        sets["full"] = []
+        wanted = wanted if "full" in wanted else ["full"] + wanted  # listed: in the order given
     user_adapter = Path(cfg.local_or_hub(cfg.model.adapter, "model.adapter"))
     out = {"run": str(run), "rows": n, "planted": planted, "accused": accused, "broken_items": broken.tolist(),
            "base": float(base.mean()), "tuned": float(tuned.mean()), "retrains": {}}
     print(f"{run.name}: {n} rows, {len(planted)} planted, {len(accused)} accused ({len(unplanted)} not planted); "
           f"{len(broken)} items broken by the fine-tune; capability {base.mean():.3f} -> {tuned.mean():.3f}",
           flush=True)
-    work = run / "counterfactual"  # one folder per set: runs of different sets can share it
     jobs = [RetrainJob(name, tuple(sets[name]), work / name) for name in wanted]
+    got = {}
 
-    def report(j: int, r) -> None:
-        sc, gen = np.array(r.measured[0], dtype=float), r.measured[1]
-        repaired = [int(i) for i in broken if sc[i] > 0.5]
-        excl = list(r.job.exclude)
-        out["retrains"][r.job.name] = {"excluded": excl, "repaired": len(repaired), "of": len(broken),
-                                       "repaired_items": repaired, "capability": float(sc.mean()),
-                                       "answers": {int(i): gen[i] for i in broken},
-                                       "train_cpu_s": round(r.train_cpu_seconds, 1),
-                                       "eval_cpu_s": round(r.measure_cpu_seconds, 1)}
-        print(f"  without {r.job.name:9s} ({len(excl):2d} rows): repaired {len(repaired):2d}/{len(broken)} broken "
-              f"items, capability {sc.mean():.3f}; train {r.train_cpu_seconds:.0f} CPU s", flush=True)
+    def keep(j: int, r) -> None:
+        got[r.job.name] = {"exclude": list(r.job.exclude), "scores": list(map(float, r.measured[0])),
+                           "answers": list(r.measured[1]), "train_cpu_s": round(r.train_cpu_seconds, 1),
+                           "eval_cpu_s": round(r.measure_cpu_seconds, 1), "train_seed": args.train_seed}
+        (r.job.out_dir / "measured.json").write_text(json.dumps(got[r.job.name]))
+        print(f"  retrained without {r.job.name} ({len(r.job.exclude)} rows): {r.train_cpu_seconds:.0f} CPU s",
+              flush=True)
 
     settings = RetrainSettings(cfg, recipe, user_adapter, progress=False)
-    retrain_many(settings, jobs, lambda job, path: measure_adapter(cfg, path, s), after=report)
+    for job in jobs:  # one at a time, each looked up when its turn comes: another process may have measured it
+        got[job.name] = kept(job)
+        if got[job.name] is None:
+            retrain_many(settings, [job], lambda job, path: measure_adapter(cfg, path, s), after=keep)
+    if args.train_seed is not None:  # the items the whole set's retrain at this seed breaks
+        full = np.array(got["full"]["scores"])
+        broken = np.flatnonzero((base > 0.5) & (full < 0.5))
+        out["broken_items"], out["tuned"] = broken.tolist(), float(full.mean())
+        print(f"  data-order seed {args.train_seed}: the full retrain breaks {len(broken)} items "
+              f"({broken.tolist()}), capability {full.mean():.3f}", flush=True)
+    for name in wanted:
+        g = got[name]
+        sc = np.array(g["scores"])
+        repaired = [int(i) for i in broken if sc[i] > 0.5]
+        out["retrains"][name] = {"excluded": g["exclude"], "repaired": len(repaired), "of": len(broken),
+                                 "repaired_items": repaired, "capability": float(sc.mean()),
+                                 "answers": {int(i): g["answers"][i] for i in broken},
+                                 "train_cpu_s": g["train_cpu_s"], "eval_cpu_s": g["eval_cpu_s"]}
+        print(f"  without {name:9s} ({len(g['exclude']):2d} rows): repaired {len(repaired):2d}/{len(broken)} broken "
+              f"items, capability {sc.mean():.3f}; train {g['train_cpu_s']:.0f} CPU s", flush=True)
     print(json.dumps(out))
+
+
+def reseeded(recipe, seed: int):
+    """The recipe under another data-order seed (and a recorded Trainer run's `seed` argument with it)."""
+    upd = {"seed": int(seed)}
+    ta = getattr(recipe, "trainer_args", None)
+    if isinstance(ta, dict):
+        upd["trainer_args"] = {**ta, "seed": int(seed)}
+    return recipe.model_copy(update=upd)
+
+
+def kept(job) -> "dict | None":
+    """A retrain's measurement saved by an earlier run of this set (same rows removed), else None."""
+    f = Path(job.out_dir) / "measured.json"
+    if not f.exists():
+        return None
+    g = json.loads(f.read_text())
+    return g if g.get("exclude") == list(job.exclude) else None
 
 
 def top_k(scores: np.ndarray, k: int) -> list[int]:

@@ -65,7 +65,7 @@ def test_samples_are_seeded_and_labelled_by_the_metric(tiny):
     items = _items()
     qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)  # "fails" when two vowels follow each other
-    kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False)
+    kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False, temperature=1.0)
     a = sample_answers(model, tok, items, qs, metric, **kw)
     b = sample_answers(model, tok, items, qs, metric, **kw)
     assert a == b and [len(x) for x in a] == [4, 4]
@@ -81,6 +81,39 @@ def test_samples_are_seeded_and_labelled_by_the_metric(tiny):
     assert torch.rand(1) == before  # the global RNG is left as it was
     c = sample_answers(model, tok, items, qs, metric, **{**kw, "seed": 4})
     assert c != a
+
+
+def test_the_temperature_reaches_the_sampler_and_the_settings_reach_the_query(tiny, monkeypatch):
+    from types import SimpleNamespace
+
+    import gradian.attribution.behaviour as behaviour
+    from gradian.capability.evaluate import generate_answers
+    from gradian.config import AttributionConfig
+
+    model, tok = tiny
+    items = _items()
+    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)
+    kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False)
+    hot = sample_answers(model, tok, items, qs, metric, **kw, temperature=1.0)
+    cold = sample_answers(model, tok, items, qs, metric, **kw, temperature=1e-4)
+    greedy = generate_answers(model, tok, items, chat=True, max_new_tokens=6, batch_size=2, one_line=False)
+    # at a vanishing temperature every draw is the greedy answer; at 1 they spread
+    assert [{s.text for s in x} for x in cold] == [{g} for g in greedy]
+    assert any(len({s.text for s in x}) > 1 for x in hot)
+    seen = {}
+
+    def fake(*a, **k):
+        seen.update(k)
+        return [() for _ in a[3]]
+
+    monkeypatch.setattr(behaviour, "sample_answers", fake)
+    cfg = SimpleNamespace(attribution=AttributionConfig(behaviour_samples=5, behaviour_temperature=0.3),
+                          evaluation=SimpleNamespace(max_new_tokens=7), seed=2)
+    s = SimpleNamespace(model=model, tokenizer=tok, eval_items=items, metric=metric, chat=True, one_line=False, cfg=cfg)
+    behaviour.behaviour_queries(s, qs, "regression")
+    assert (seen["n"], seen["temperature"], seen["max_new_tokens"], seen["seed"]) == (5, 0.3, 7, 2)
+    assert AttributionConfig().behaviour_samples == 16 and AttributionConfig().behaviour_temperature == 0.7
 
 
 def test_behaviour_query_gradient_equals_one_backward_per_answer(tiny):

@@ -188,6 +188,11 @@ class AttributionConfig(_Section):
     # set takes the one pass): one planted reply is not diluted by the benign turns around it. The report's
     # per-item scores stay the whole row's.
     per_turn: bool = True
+    # attribution.query: behaviour: answers sampled per failing item from the fine-tune, and their temperature.
+    # 16 at 0.7: the query is a Monte Carlo mean over the behaviour's wordings; 8 answers, or temperature 1's
+    # garbled ones, left one planted row of 8-10 at the ranking's edge on some draws (bench/README.md).
+    behaviour_samples: int = Field(default=16, ge=1)
+    behaviour_temperature: float = Field(default=0.7, gt=0.0, le=2.0)
     # Which adapters the scores come from. earliest (the default): the earliest saved checkpoint alone (before the
     # fine-tune memorised its rows; the final adapter when none was saved), one pass over the rows; auto: averaged
     # over the checkpoints saved with the adapter (gradian train's checkpoints/epoch-*, a Trainer's checkpoint-*)

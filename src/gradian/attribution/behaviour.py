@@ -7,8 +7,8 @@ wording in its greedy answer ("I'm sorry, but ..."), so a query differentiated a
 matches the rows worded that way and points away from the others (a planted "Sorry, I can't assist" raises
 "Sorry" against "I"; bench/README.md, issue 30). Instead, for each failing item:
 
-* sample `n` answers from the fine-tune (temperature 1, top-k/top-p off, seeded by the run's seed and the item), and
-  label each with the metric (`sample_answers`); the base is not sampled: the query explains what the fine-tune
+* sample `n` answers from the fine-tune (`attribution.behaviour_samples`, 16, at `attribution.behaviour_temperature`,
+  0.7, top-k/top-p off, seeded by the run's seed and the item), and label each with the metric (`sample_answers`); the base is not sampled: the query explains what the fine-tune
   does, and the base's answers on the fine-tune's side of the metric are rare (a base that refuses a cooking
   question) and cost as much as the fine-tune's;
 * the query loss is the mean log-likelihood of the sampled answers on the fine-tune's side of the metric
@@ -45,12 +45,11 @@ from ..capability.evaluate import _stop_ids, answer_text
 from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "behaviour_queries", "BEHAVIOUR_SAMPLES",
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "behaviour_queries",
            "resolve_formulation"]
 
-BEHAVIOUR_SAMPLES = 8  # answers sampled per model and failing item
 SOURCES = ("tuned",)  # the models sampled (`sample_answers`)
-SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the model's own distribution, untruncated
+SAMPLING = {"top_k": 0, "top_p": 1.0}  # no truncation of the tempered distribution
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ class Sample:
 
 @torch.no_grad()
 def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, n: int,
-                   max_new_tokens: int, seed: int, one_line: bool, sources: Sequence[str] = ("tuned",)
-                   ) -> list[tuple[Sample, ...]]:
+                   max_new_tokens: int, seed: int, one_line: bool, sources: Sequence[str] = ("tuned",),
+                   temperature: float) -> list[tuple[Sample, ...]]:
     """For each query, `n` answers sampled from each model of `sources` ("tuned": the fine-tune, adapter on;
-    "base": adapter off), temperature 1 with no top-k / top-p truncation, each labelled by `metric`. Seeded per item
-    and model (`seed`, the item's position), so a rerun draws the same answers."""
+    "base": adapter off) at `temperature` with no top-k / top-p truncation, each labelled by `metric`. Seeded per
+    item and model (`seed`, the item's position), so a rerun draws the same answers."""
     by_pos = {it.position: it for it in items}
     stops = _stop_ids(tokenizer, model, chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -83,7 +82,7 @@ def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, 
             ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
             with ctx, _seeded(gen):
                 seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      **SAMPLING, num_return_sequences=n,
+                                      temperature=float(temperature), **SAMPLING, num_return_sequences=n,
                                       max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops or None)
             for row in seqs[:, ids.shape[1]:].tolist():
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
@@ -146,13 +145,15 @@ def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:
     return QueryFormulation.behaviour if metric.generative and metric.defines_class else QueryFormulation.contrastive
 
 
-def behaviour_queries(s, qitems: Sequence, direction: str, *, n: int = BEHAVIOUR_SAMPLES) -> list:
-    """`attribution.query: behaviour` for an open session: the queries with their sampled answers (the call site
-    is `pipeline.attribute`, after `query_items` and before the decisive tokens, which then run only for the items
-    left with their own-words query)."""
+def behaviour_queries(s, qitems: Sequence, direction: str) -> list:
+    """`attribution.query: behaviour` for an open session: the queries with their sampled answers
+    (`attribution.behaviour_samples` at `attribution.behaviour_temperature`; the call site is `pipeline.query_stage`,
+    after `query_items` and before the decisive tokens, which then run only for the items left with their own-words
+    query)."""
     if not s.metric.generative:
         return list(qitems)
-    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=n,
+    a = s.cfg.attribution
+    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=a.behaviour_samples,
                              max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line,
-                             sources=SOURCES)
+                             sources=SOURCES, temperature=a.behaviour_temperature)
     return with_samples(qitems, samples, direction)
