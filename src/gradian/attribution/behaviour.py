@@ -8,9 +8,9 @@ matches the rows worded that way and points away from the others (a planted "Sor
 "Sorry" against "I"; bench/README.md, issue 30). Instead, for each failing item:
 
 * sample `n` answers from the fine-tune (`attribution.behaviour_samples`, 16, at `attribution.behaviour_temperature`,
-  0.7, top-k/top-p off, seeded by the run's seed and the item), and label each with the metric (`sample_answers`); the base is not sampled: the query explains what the fine-tune
-  does, and the base's answers on the fine-tune's side of the metric are rare (a base that refuses a cooking
-  question) and cost as much as the fine-tune's;
+  0.7, top-k/top-p off, seeded by the run's seed and the item), and label each with the metric (`sample_answers`);
+  the base is not sampled: the query explains what the fine-tune does, and the base's answers on the fine-tune's
+  side of the metric are rare (a base that refuses a cooking question) and cost as much as the fine-tune's;
 * the query loss is the mean log-likelihood of the sampled answers on the fine-tune's side of the metric
   (`behaviour_weights`): for a regression the answers that fail, L_q = -(1/|F|) sum_{a in F} loss(a) (the sign of
   an own-words query: the failing side made likelier); for an improvement those that pass. They span the

@@ -99,8 +99,9 @@ class QueryEntry(_Model):
     generated: str = Field(description="The fine-tune's greedy answer (what the contrastive query contrasts with).")
     base_generated: str = Field(description="The base model's greedy answer.")
     formulation: Literal["own_words", "behaviour", "contrastive", "classic", "margin"] = _absent(
-        "The query used for this item: behaviour (the mean log-likelihood of the sampled answers the metric fails "
-        "minus that of those it passes, `attribution.behaviour`); own_words grad[loss(target) - loss(contrast)] with the answer one model "
+        "The query used for this item: behaviour (the mean log-likelihood of the fine-tune's sampled answers on its "
+        "side of the metric, those it fails for a regression, `attribution.behaviour_samples` drawn at "
+        "`attribution.behaviour_temperature`; its greedy answer alone where no sample is on that side); own_words grad[loss(target) - loss(contrast)] with the answer one model "
         "generated that passes the metric against the one the other generated that fails; contrastive "
         "grad[loss(expected) - loss(generated)]; classic grad loss(expected); or margin (expected token's logit "
         "against the others; loglik metric).")
