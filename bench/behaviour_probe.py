@@ -3,11 +3,12 @@ every candidate query are computed ONCE per adapter state and saved; the formula
 scored by dot products (optionally in a diagonal metric), beside BM25 and representation similarity.
 
     .venv/bin/python bench/behaviour_probe.py extract RUN [--state earliest|final] [--samples 8]
-    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest]
+    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z]
 
 RUN is a fine-tuned real scenario (`bench/real_models.py --work DIR --scenarios NAME` writes and fine-tunes it).
 `extract` writes RUN/probe/<state>/: G.npy (rows x D float32), samples.npy (sampled answers' gradients, float16),
-queries.npy (the greedy own-words queries), meta.json; `analyse` prints a table scenario x method (AUPRC,
+queries.npy (the greedy own-words queries: the decisive token, the answer whole, the expected answer's token at the
+decisive position in its spaced and plain forms), logits.npy (the decisive token's raw and centred logits), meta.json; `analyse` prints a table scenario x method (AUPRC,
 recall@k, planted ranks). Research tool, not a product path: the winning formulation lives in
 `gradian.attribution.behaviour`.
 """
@@ -32,13 +33,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+AGG = "mean"  # how item scores combine into a row's score: mean (the report's), max, z (mean of robust z-scores)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def checkpoints(run: Path) -> list[Path]:
-    cks = sorted((run / "adapter").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    return cks
+    from gradian.attribution.checkpoints import saved_adapters, without_final
+
+    # what `attribution.checkpoints` picks from: a Trainer's checkpoint-<step> or `gradian train`'s epoch-<k>
+    return without_final(saved_adapters(str(run / "adapter")), str(run / "adapter"))
 
 
 def first_k(t, k: int):
@@ -52,6 +58,52 @@ def first_k(t, k: int):
         sup.append(bool(s) and n < k)
         n += bool(s)
     return replace(t, supervised=sup)
+
+
+def expected_at_decisive(tokenizer, item, full, k: int, chat: bool, max_len: int, *, spaced: bool):
+    """The fine-tune's answer up to its decisive token k, then the item's expected answer after a space (`spaced`)
+    or directly, supervised at k alone; None where that text does not keep the same first k tokens or gives the
+    same token at k. After "Answer:" the spaced form (" Warsaw") is the token a model writes there, the plain form
+    ("Warsaw") one it does not."""
+    from dataclasses import replace
+
+    from gradian.setup.tokenize import eval_answer_example, tokenize_example
+
+    a0 = next((i for i, sv in enumerate(full.supervised) if sv), None)
+    if k is None or k < 0 or a0 is None or k < a0:
+        return None
+    prefix = tokenizer.decode(full.input_ids[a0:k]).rstrip()
+    r = tokenize_example(tokenizer, eval_answer_example(item, prefix + (" " if spaced else "") + item.answer.strip(),
+                                                        chat), max_len)
+    if len(r.input_ids) > k and list(r.input_ids[:k]) == list(full.input_ids[:k]) and \
+            r.input_ids[k] != full.input_ids[k]:
+        return replace(r, supervised=[i == k for i in range(len(r.input_ids))])
+    return None
+
+
+LOGIT_FORMS = ("decisive logit", "decisive logit - mean logit")
+
+
+def logit_queries(view, rows, starts) -> np.ndarray:
+    """[len(LOGIT_FORMS), rows, D]: at each own-words query's decisive token k (its token y), the loss-convention
+    gradient (minus) of the raw logit z_y and of z_y - mean_v z_v (the logit against the vocabulary's uniform mean,
+    where log p(y) = z_y - logsumexp z centres on what the model expects there). One plain backward each."""
+    params = [p for st in view.sites for p in (st.A.weight, st.B.weight)]
+    for p in params:
+        p.requires_grad_(True)
+    out = np.zeros((len(LOGIT_FORMS), len(rows), sum(p.numel() for p in params)), dtype=np.float32)
+    for i, (row, k) in enumerate(zip(rows, starts)):
+        if k is None or k < 1:
+            continue
+        ids = torch.tensor([row.input_ids[:k + 1]])
+        for f in range(len(LOGIT_FORMS)):
+            for p in params:
+                p.grad = None
+            z = view.model(input_ids=ids).logits[0, k - 1].float()
+            y = row.input_ids[k]
+            (-(z[y] if f == 0 else z[y] - z.mean())).backward()
+            out[f, i] = torch.cat([p.grad.reshape(-1) for p in params]).numpy()
+    return out
 
 
 def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
@@ -126,6 +178,11 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
             full, _o = answer_rows(s.tokenizer, it, q, **kw)
             qrows.append(full)
             qkind.append(["greedy_full", j])
+            for form in ("spaced", "plain"):  # the expected answer's token at the decisive position
+                e = expected_at_decisive(s.tokenizer, it, full, q.span_start, s.chat, L, spaced=form == "spaced")
+                if e is not None:
+                    qrows.append(e)
+                    qkind.append([f"expected_{form}", j])
     srows = []
     for j, src, text, ok in samples:
         t = tokenize_example(s.tokenizer, eval_answer_example(by[qitems[j].item], text, s.chat), L)
@@ -175,6 +232,8 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
         Q = grads_of(view, qrows, np.float32)
         np.save(out / "queries.npy", Q)
         del Q
+        np.save(out / "logits.npy", logit_queries(view, [r for r, (kind, _) in zip(qrows, qkind) if kind == "decisive"],
+                                                  [q.span_start for q in qitems if q.formulation == "own_words"]))
         t0 = time.process_time()
         S = grads_of(view, srows, np.float16)
         np.save(out / "samples.npy", S)
@@ -252,6 +311,26 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         for name in ("decisive", "greedy_full"):
             rows = [i for i, (k, j) in enumerate(kinds) if k == name]
             fam[name] = Q[rows].astype(np.float32)
+        # the decisive token against the expected answer's token at the same prefix (own-words items that have one)
+        dec_of = {j: i for i, (k, j) in enumerate(kinds) if k == "decisive"}
+        if (d / "logits.npy").exists():
+            lq = np.load(d / "logits.npy")
+            for f, name in enumerate(LOGIT_FORMS):
+                fam[name] = lq[f]
+        for form in ("spaced", "plain"):
+            exp_of = {j: i for i, (k, j) in enumerate(kinds) if k == f"expected_{form}"}
+            if not exp_of:
+                continue
+            both, only = np.zeros_like(fam["decisive"]), np.zeros_like(fam["decisive"])
+            for r, j in enumerate(sorted(dec_of)):
+                if j in exp_of:
+                    both[r] = Q[dec_of[j]] - Q[exp_of[j]]
+                    only[r] = -Q[exp_of[j]]
+                else:
+                    both[r] = Q[dec_of[j]]
+            fam[f"decisive - expected ({form})"] = both
+            fam[f"- expected ({form})"] = only
+            log(f"expected token ({form}) at the decisive position for {len(exp_of)} of {len(dec_of)} items")
         for ki, k in enumerate(ks):
             idx = lambda f: [si * len(ks) + ki for si, x in enumerate(samples) if f(x)]  # noqa: E731
             V = {}
@@ -291,7 +370,14 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         qn = np.sqrt(np.maximum((qv.astype(np.float64) * qd).sum(1), 1e-300))
         gn = np.sqrt(np.maximum(G2 @ dvec.astype(np.float32), 1e-30)).astype(np.float64)
         inner = (qd @ G.T).astype(np.float64)
-        return sgn * (inner / qn[:, None] / np.maximum(gn, 1e-30)[None]).mean(0)
+        per = sgn * (inner / qn[:, None] / np.maximum(gn, 1e-30)[None])
+        if AGG == "max":
+            return per.max(0)
+        if AGG == "z":  # each item's scores as robust z-scores, then the mean
+            med = np.median(per, axis=1, keepdims=True)
+            mad = np.median(np.abs(per - med), axis=1, keepdims=True)
+            return ((per - med) / np.maximum(1.4826 * mad, 1e-30)).mean(0)
+        return per.mean(0)
 
     ones = np.ones(G.shape[1])
     diag = 1.0 / (m_train + 0.1 * m_train.mean())
@@ -325,8 +411,10 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
     # baselines
     cfg = load_config(run / "gradian.yaml", ["output=probe-out"])
     rows = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines()]
-    docs = [" ".join(m["content"] for part in ("prompt", "completion", "messages") for m in r.get(part, []))
-            for r in rows]
+    def text_of(v):  # a plain string field, or a list of messages
+        return v if isinstance(v, str) else " ".join(m["content"] for m in v)
+
+    docs = [" ".join(text_of(r[part]) for part in ("prompt", "completion", "messages") if part in r) for r in rows]
     qs = meta["queries"]
     res[("BM25 question", "-")] = auprc_rank(bm25_scores(docs, [q["prompt"] for q in qs]).mean(0), planted)
     res[("BM25 question+answer", "-")] = auprc_rank(bm25_scores(docs, [f"{q['prompt']} {q['generated']}" for q in qs]).mean(0), planted)
@@ -370,7 +458,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--lams", default="0.5,0.9")
+    ap.add_argument("--agg", default="mean", choices=["mean", "max", "z"])
     a = ap.parse_args()
+    global AGG
+    AGG = a.agg
     if a.what == "rows":
         rows_only(a.run)
     elif a.what == "extract":
