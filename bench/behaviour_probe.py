@@ -3,7 +3,7 @@ every candidate query are computed ONCE per adapter state and saved; the formula
 scored by dot products (optionally in a diagonal metric), beside BM25 and representation similarity.
 
     .venv/bin/python bench/behaviour_probe.py extract RUN [--state earliest|final] [--samples 8]
-    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z]
+    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z|max/mean]
 
 RUN is a fine-tuned real scenario (`bench/real_models.py --work DIR --scenarios NAME` writes and fine-tunes it).
 `extract` writes RUN/probe/<state>/: G.npy (rows x D float32), samples.npy (sampled answers' gradients, float16),
@@ -33,7 +33,8 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-AGG = "mean"  # how item scores combine into a row's score: mean (the report's), max, z (mean of robust z-scores)
+AGG = "mean"  # how item scores combine into a row's score: mean (the report's), max, z (mean of robust z-scores),
+# max/mean (ranked by the max, accused by the report's rule on the mean)
 
 
 def log(msg: str) -> None:
@@ -248,15 +249,17 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ analysis
-def auprc_rank(scores: np.ndarray, planted: list[int]):
-    """(AUPRC, recall@k, planted ranks, accused as "planted/total" by the report's rule: robust z > 6)."""
+def auprc_rank(scores, planted: list[int]):
+    """(AUPRC, recall@k, planted ranks, accused as "planted/total" by the report's rule: robust z > 6). `scores`
+    is one vector, or (ranking scores, the scores the rule accuses by) (`--agg max/mean`)."""
     from gradian.attribution.accused import accused_set
     from gradian.attribution.scoring import auprc, recall_at_k
 
+    scores, accuse_by = scores if isinstance(scores, tuple) else (scores, scores)
     order = np.argsort(-scores, kind="stable")
     rank = np.empty(len(scores), dtype=int)
     rank[order] = np.arange(1, len(scores) + 1)
-    acc = accused_set(scores)
+    acc = accused_set(accuse_by)
     pos = set(acc["positions"])
     return (auprc(scores, planted), recall_at_k(scores, planted, len(planted)),
             sorted(int(rank[p]) for p in planted), f"{len(pos & set(planted))}/{len(pos)}")
@@ -373,6 +376,8 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         per = sgn * (inner / qn[:, None] / np.maximum(gn, 1e-30)[None])
         if AGG == "max":
             return per.max(0)
+        if AGG == "max/mean":  # ranked by the max over items, accused by the mean's rule
+            return per.max(0), per.mean(0)
         if AGG == "z":  # each item's scores as robust z-scores, then the mean
             med = np.median(per, axis=1, keepdims=True)
             mad = np.median(np.abs(per - med), axis=1, keepdims=True)
@@ -458,7 +463,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--lams", default="0.5,0.9")
-    ap.add_argument("--agg", default="mean", choices=["mean", "max", "z"])
+    ap.add_argument("--agg", default="mean", choices=["mean", "max", "z", "max/mean"])
     a = ap.parse_args()
     global AGG
     AGG = a.agg
