@@ -8,8 +8,9 @@ scored by dot products (optionally in a diagonal metric), beside BM25 and repres
 RUN is a fine-tuned real scenario (`bench/real_models.py --work DIR --scenarios NAME` writes and fine-tunes it).
 `extract` writes RUN/probe/<state>/: G.npy (rows x D float32), samples.npy (sampled answers' gradients, float16),
 queries.npy (the greedy own-words queries: the decisive token, the answer whole, the expected answer's token at the
-decisive position in its spaced and plain forms), logits.npy (the decisive token's raw and centred logits), meta.json; `analyse` prints a table scenario x method (AUPRC,
-recall@k, planted ranks). Research tool, not a product path: the winning formulation lives in
+decisive position in its spaced and plain forms), logits.npy (the decisive token's raw and centred logits),
+meta.json; `analyse` prints a table scenario x method (AUPRC, recall@k, planted ranks; `--agg`: how the items'
+scores combine into a row's). Research tool, not a product path: the winning formulation lives in
 `gradian.attribution.behaviour`.
 """
 
@@ -31,10 +32,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-AGG = "mean"  # how item scores combine into a row's score: mean (the report's), max, z (mean of robust z-scores),
-# max/mean (ranked by the max, accused by the report's rule on the mean)
 
 
 def log(msg: str) -> None:
@@ -96,14 +93,11 @@ def logit_queries(view, rows, starts) -> np.ndarray:
     for i, (row, k) in enumerate(zip(rows, starts)):
         if k is None or k < 1:
             continue
-        ids = torch.tensor([row.input_ids[:k + 1]])
-        for f in range(len(LOGIT_FORMS)):
-            for p in params:
-                p.grad = None
-            z = view.model(input_ids=ids).logits[0, k - 1].float()
-            y = row.input_ids[k]
-            (-(z[y] if f == 0 else z[y] - z.mean())).backward()
-            out[f, i] = torch.cat([p.grad.reshape(-1) for p in params]).numpy()
+        z = view.model(input_ids=torch.tensor([row.input_ids[:k + 1]])).logits[0, k - 1].float()
+        zy = z[row.input_ids[k]]
+        for f, c in enumerate((zy, zy - z.mean())):  # one forward, a backward per form
+            grads = torch.autograd.grad(-c, params, retain_graph=f + 1 < len(LOGIT_FORMS))
+            out[f, i] = torch.cat([g.reshape(-1) for g in grads]).numpy()
     return out
 
 
@@ -233,7 +227,8 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
         Q = grads_of(view, qrows, np.float32)
         np.save(out / "queries.npy", Q)
         del Q
-        np.save(out / "logits.npy", logit_queries(view, [r for r, (kind, _) in zip(qrows, qkind) if kind == "decisive"],
+        decisive_rows = [r for r, (kind, _) in zip(qrows, qkind) if kind == "decisive"]
+        np.save(out / "logits.npy", logit_queries(view, decisive_rows,
                                                   [q.span_start for q in qitems if q.formulation == "own_words"]))
         t0 = time.process_time()
         S = grads_of(view, srows, np.float16)
@@ -288,7 +283,11 @@ def adam_second_moment(run: Path, meta: dict, width: int):
     return v
 
 
-def analyse(run: Path, state: str, lams: list[float]) -> dict:
+def analyse(run: Path, state: str, lams: list[float], agg: str = "mean") -> dict:
+    """Every formulation's AUPRC, recall, accused and planted ranks. `agg`: how the items' scores combine into a
+    row's: mean (the report's), max, z (the mean of each item's robust z-scores), max/mean (ranked by the max,
+    accused by the report's rule on the mean)."""
+    from gradian.attribution.accused import robust_z
     from gradian.config import load_config
     from gradian.explain.baselines import bm25_scores
 
@@ -314,12 +313,12 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         for name in ("decisive", "greedy_full"):
             rows = [i for i, (k, j) in enumerate(kinds) if k == name]
             fam[name] = Q[rows].astype(np.float32)
-        # the decisive token against the expected answer's token at the same prefix (own-words items that have one)
-        dec_of = {j: i for i, (k, j) in enumerate(kinds) if k == "decisive"}
         if (d / "logits.npy").exists():
             lq = np.load(d / "logits.npy")
             for f, name in enumerate(LOGIT_FORMS):
                 fam[name] = lq[f]
+        # the decisive token against the expected answer's token at the same prefix (own-words items that have one)
+        dec_of = {j: i for i, (k, j) in enumerate(kinds) if k == "decisive"}
         for form in ("spaced", "plain"):
             exp_of = {j: i for i, (k, j) in enumerate(kinds) if k == f"expected_{form}"}
             if not exp_of:
@@ -374,14 +373,12 @@ def analyse(run: Path, state: str, lams: list[float]) -> dict:
         gn = np.sqrt(np.maximum(G2 @ dvec.astype(np.float32), 1e-30)).astype(np.float64)
         inner = (qd @ G.T).astype(np.float64)
         per = sgn * (inner / qn[:, None] / np.maximum(gn, 1e-30)[None])
-        if AGG == "max":
+        if agg == "max":
             return per.max(0)
-        if AGG == "max/mean":  # ranked by the max over items, accused by the mean's rule
+        if agg == "max/mean":  # ranked by the max over items, accused by the mean's rule
             return per.max(0), per.mean(0)
-        if AGG == "z":  # each item's scores as robust z-scores, then the mean
-            med = np.median(per, axis=1, keepdims=True)
-            mad = np.median(np.abs(per - med), axis=1, keepdims=True)
-            return ((per - med) / np.maximum(1.4826 * mad, 1e-30)).mean(0)
+        if agg == "z":  # each item's scores as robust z-scores (the accusation rule's), then the mean
+            return np.stack([robust_z(p)[0] for p in per]).mean(0)
         return per.mean(0)
 
     ones = np.ones(G.shape[1])
@@ -465,8 +462,6 @@ def main() -> None:
     ap.add_argument("--lams", default="0.5,0.9")
     ap.add_argument("--agg", default="mean", choices=["mean", "max", "z", "max/mean"])
     a = ap.parse_args()
-    global AGG
-    AGG = a.agg
     if a.what == "rows":
         rows_only(a.run)
     elif a.what == "extract":
@@ -474,7 +469,7 @@ def main() -> None:
     else:
         print("| scenario | state | query | metric | AUPRC | recall@k | accused (planted/total) | planted ranks |")
         print("|---|---|---|---|---|---|---|---|")
-        analyse(a.run, a.state, [float(x) for x in a.lams.split(",")])
+        analyse(a.run, a.state, [float(x) for x in a.lams.split(",")], a.agg)
 
 
 if __name__ == "__main__":
