@@ -3,7 +3,7 @@ every candidate query are computed ONCE per adapter state and saved; the formula
 scored by dot products (optionally in a diagonal metric), beside BM25 and representation similarity.
 
     .venv/bin/python bench/behaviour_probe.py extract RUN [--state earliest|final] [--samples 8]
-    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z|max/mean]
+    .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z|max/mean|zmax/mean]
 
 RUN is a fine-tuned real scenario (`bench/real_models.py --work DIR --scenarios NAME` writes and fine-tunes it).
 `extract` writes RUN/probe/<state>/: G.npy (rows x D float32), samples.npy (sampled answers' gradients, float16),
@@ -379,6 +379,8 @@ def analyse(run: Path, state: str, lams: list[float], agg: str = "mean") -> dict
             return per.max(0), per.mean(0)
         if agg == "z":  # each item's scores as robust z-scores (the accusation rule's), then the mean
             return np.stack([robust_z(p)[0] for p in per]).mean(0)
+        if agg == "zmax/mean":  # ranked by the max over items of each item's robust z, accused by the mean's rule
+            return np.stack([robust_z(p)[0] for p in per]).max(0), per.mean(0)
         return per.mean(0)
 
     ones = np.ones(G.shape[1])
@@ -460,7 +462,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--lams", default="0.5,0.9")
-    ap.add_argument("--agg", default="mean", choices=["mean", "max", "z", "max/mean"])
+    ap.add_argument("--agg", default="mean", choices=["mean", "max", "z", "max/mean", "zmax/mean"])
     a = ap.parse_args()
     if a.what == "rows":
         rows_only(a.run)

@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=0, help="rows per method's top-k set (0: as many as planted)")
     ap.add_argument("--train-seed", type=int, default=None,
                     help="retrain every set and the whole set ('full') under this data-order seed")
+    ap.add_argument("--sets-only", action="store_true",
+                    help="print each set's rows and which sets are the same removal (a deterministic retrain of the "
+                         "same rows repairs the same items), and retrain nothing")
     args = ap.parse_args()
 
     from gradian.config import load_config
@@ -90,6 +93,14 @@ def main() -> None:
         per = compute_baselines(bs, [it.model_dump(by_alias=True, exclude_unset=True) for it in rep.query.items],
                                 which=methods)
         sets.update({m: top_k(aggregate(per[m]), k) for m in methods})
+    if args.sets_only:
+        same = [[a, b] for i, a in enumerate(wanted) for b in wanted[i + 1:] if sets.get(a) == sets.get(b)]
+        for name in wanted:
+            got = sets.get(name, [])
+            print(f"  {name:13s} {len(got):2d} rows, {len(set(got) & set(planted))} planted: {got}", flush=True)
+        print(json.dumps({"run": str(run), "planted": planted, "sets": {m: sets.get(m) for m in wanted},
+                          "same_removal": same}))
+        return
     recipe, _ = retrain_recipe(cfg)
     work = run / "counterfactual"  # one folder per set: runs of different sets can share it
     if args.train_seed is not None:

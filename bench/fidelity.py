@@ -64,7 +64,14 @@ OPTIMIZER_METHODS = ["adamw"]
 
 
 def method_settings(m: str) -> tuple[str, list[str]]:
-    """(preconditioner, the --set overrides of this method)."""
+    """(preconditioner, the --set overrides of this method). A "/mean" or "/max" suffix sets attribution.combine
+    (how the items' scores combine into the ranking; the default is auto), e.g. "diagonal/mean"."""
+    m, _, combine = m.partition("/")
+    if combine:
+        if combine not in ("mean", "max", "auto"):
+            raise SystemExit(f"method {m}/{combine}: the suffix is /mean, /max or /auto (attribution.combine)")
+        p, extra = method_settings(m)
+        return p, extra + [f"attribution.combine={combine}"]
     if m in OPTIMIZER_METHODS:
         return default_preconditioner(), [f"attribution.optimizer={m}"]
     if m.endswith("@final"):
@@ -264,7 +271,8 @@ def run_scenario(name: str, seed: int, out: Path, methods: list[str], single_che
     reports: dict[str, dict] = {}
     for p in preconds:
         pname, extra = method_settings(p)
-        cfg = load_config(cfg_path, [f"attribution.preconditioner={pname}", f"output=out-{p}"] + extra)
+        out = "out-" + p.replace("/", "-")
+        cfg = load_config(cfg_path, [f"attribution.preconditioner={pname}", f"output={out}"] + extra)
         t0 = time.process_time()
         try:
             rep = attribute(cfg, truth=truth)

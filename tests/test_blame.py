@@ -126,7 +126,12 @@ def test_accused_planted_rows_were_taught_by_the_fine_tune(demo_report):
         assert r["verdict"] in ("taught", "base_believed", "not_learned")
         if r["verdict"] == "base_believed":
             assert r["base_loss"] <= math.log(2)
-        assert r["window_score"] == pytest.approx(r["score"])  # short rows: the window is the row
+        if report["query"]["combine"] == "mean":
+            assert r["window_score"] == pytest.approx(r["score"])  # short rows: the window is the row
+    # the ranking follows the ranking score (with combine max, each row's robust z on its strongest item:
+    # tests/test_combine.py, and scores.npy against combine_items in tests/test_checkpoints.py)
+    ws = [r["window_score"] for r in rows]
+    assert ws == sorted(ws, reverse=True)
     assert all(r["verdict"] == "taught" for r in rows if r["position"] in planted)
     assert sum(r["verdict"] == "base_believed" for r in rows if r["position"] not in planted) >= 0.8 * sum(
         r["position"] not in planted for r in rows)

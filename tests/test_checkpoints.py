@@ -88,7 +88,7 @@ def test_replayed_checkpoint_is_the_shorter_run_bit_for_bit(two_epoch_run, tmp_p
 def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
     from gradian.pipeline import attribute
     from gradian.attribution.checkpoints import replayed_adapters
-    from gradian.attribution.scoring import aggregate
+    from gradian.attribution.scoring import combine_items
 
     cfg = two_epoch_run.model_copy(deep=True)
     cfg.root = two_epoch_run.root
@@ -123,10 +123,12 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
         ix = index_stage(s)
         per.append(score_adapter(s, ix, q, direction).rank_item)
         ix.close()
-    want = aggregate((per[0] + per[1]) / 2)
+    how = rep["query"]["combine"]  # the items combined as the run resolved attribution.combine
+    assert how in ("mean", "max")
+    want = combine_items((per[0] + per[1]) / 2, how)
     np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-7)
     # and it differs from the final adapter's scores alone
-    assert not np.allclose(got, aggregate(per[1]), rtol=1e-3, atol=1e-6)
+    assert not np.allclose(got, combine_items(per[1], how), rtol=1e-3, atol=1e-6)
 
 
 def test_no_recipe_flags_and_uses_the_final_adapter(two_epoch_run, tmp_path):

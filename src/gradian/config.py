@@ -188,6 +188,12 @@ class AttributionConfig(_Section):
     # set takes the one pass): one planted reply is not diluted by the benign turns around it. The report's
     # per-item scores stay the whole row's.
     per_turn: bool = True
+    # How the failing items' scores combine into a row's ranking score. auto (the default): max for own-words queries
+    # (the item a row stands out on most, in robust z units of each item's own rows: each failing item is its own
+    # fact or turn, taught by its own few rows, and averaging over the items dilutes such a row by their number), mean
+    # for every other query (a behaviour's items share one cause, and the mean averages out each item's noise). The
+    # accused count is always the mean's (`accused`).
+    combine: Literal["auto", "mean", "max"] = "auto"
     # attribution.query: behaviour: answers sampled per failing item from the fine-tune, and their temperature.
     # 16 at 0.7: the query is a Monte Carlo mean over the behaviour's wordings; 8 answers, or temperature 1's
     # garbled ones, left one planted row of 8-10 at the ranking's edge on some draws (bench/README.md).

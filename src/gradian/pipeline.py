@@ -21,8 +21,8 @@ from .attribution.behaviour import behaviour_queries, resolve_formulation
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
-from .attribution.rerank import parameter_directions
-from .attribution.scoring import Scores, aggregate, degenerate, rank
+from .attribution.rerank import parameter_directions, rerank_order
+from .attribution.scoring import Scores, aggregate, combine_items, degenerate, rank, resolve_combine
 from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
@@ -139,7 +139,15 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     flag_from_index(s, scored.one_pass.held if scored.one_pass is not None else scored.features)
     _scoring_flags(s, scored, len(queries.items))
     sc = scored.scores
+    combine = resolve_combine(s.cfg.attribution.combine, [q.own_words for q in queries.items])
     scores, totals = sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
+    order, mean_scores = sc.order, None
+    if combine == "max":
+        # ranked by the item each row stands out on most (robust z per item); the accused count and the clusters keep
+        # the mean
+        # (`resolve_combine`). A projected index's exact re-rank keeps its candidates first, by their exact max.
+        mean_scores, scores = scores, combine_items(sc.rank_item, "max").astype(np.float32)
+        order = None if sc.order is None else rerank_order(scores, sc.cand, scores[sc.cand])
     declined = degenerate(sc.norms, scores)
     if declined is not None:
         # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
@@ -148,7 +156,7 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
                    "(query.items); each query needs a passing and a failing answer that differ")
         scored.close()
     summary = scored.rows_summary if scored.one_pass is None else None
-    return Ranked(scored, sc.order, scores, totals, declined, summary)
+    return Ranked(scored, order, scores, totals, declined, summary, combine, mean_scores)
 
 
 def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked) -> Explanation:
@@ -166,16 +174,16 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
         return Explanation(tuple(rows), none_accused("a smoke test (no eval set): the ranking shows gradient outliers, "
                                                      "not causes"), (), (), None, None, (), scores, ranked.totals)
     try:
-        accused = accused_set(scores, order, limit=cfg.attribution.top_k)
+        accused = accused_set(ranked.count_scores, order, limit=cfg.attribution.top_k, combine=ranked.combine)
         with s.log.stage("base_scores"):
-            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"])
+            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"], ranked.combine)
         spans, clusters, info, block, margins = (), (), None, None, ()
         if rows:
             with s.log.stage("spans"):
                 found = spans_stage(s, scored, rows, list(queries.items))
             rows, spans = [found.row(r) for r in rows], tuple(found.spans)
             with s.log.stage("clusters"):
-                cl = score_clusters(scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
+                cl = score_clusters(ranked.count_scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
                                     gradients=scored.features, previews=[preview(e.plain_text()) for e in s.examples])
             clusters, info = tuple(cl["clusters"]), {k: v for k, v in cl.items() if k != "clusters"}
             with s.log.stage("blame"):
@@ -233,7 +241,7 @@ def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings)
 
 
 def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores],
-              accused: Optional[int] = None) -> list[dict]:
+              accused: Optional[int] = None, combine: str = "mean") -> list[dict]:
     """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
     given the accused count, whether it is accused."""
     top = order[: s.cfg.attribution.top_k].tolist()
@@ -256,20 +264,24 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
                 rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
                 row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
             if p in sc.turns:
-                row["turn"] = ranked_turn(ex, sc.turns[p])
+                row["turn"] = ranked_turn(ex, sc.turns[p], combine)
         if accused is not None:
             row["accused"] = r <= accused
         ranking.append(row)
     return ranking
 
 
-def ranked_turn(ex, found: dict) -> dict:
+def ranked_turn(ex, found: dict, combine: str = "mean") -> dict:
     """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`): the exchange whose wins
-    (the items it is the best exchange of) add the most to the row's ranking score."""
+    (the items it is the best exchange of) add the most to the row's ranking score; with items combined by their
+    max, the best exchange of the item that sets the row's score."""
     scores, best = np.asarray(found["scores"]), np.asarray(found["best"])
     U = scores.shape[1]
-    share = np.array([scores[best == u, u].sum() for u in range(U)])
-    k = int(np.argmax(share))
+    if combine == "max" and best.size:
+        k = int(best[int(np.argmax(scores[np.arange(best.size), best]))])
+    else:
+        share = np.array([scores[best == u, u].sum() for u in range(U)])
+        k = int(np.argmax(share))
     replies = [m["content"] for m in (ex.messages() or []) if m["role"] == "assistant"]
     return {"turn": k, "turns": int(U), "text": replies[k] if k < len(replies) else "",
             "items": int((best == k).sum()), "scores": [round(float(x), 6) for x in scores.mean(0)]}

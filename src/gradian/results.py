@@ -44,6 +44,14 @@ class Ranked:
     totals: Optional[np.ndarray]  # whole-row totals (scores_total.npy)
     declined: Optional[tuple[str, str]]
     index_summary: Optional[dict]
+    combine: str = "mean"  # how the items' scores combine into `scores` (`attribution.combine` resolved)
+    # the items' mean ranking score (best window / exchange per item, averaged): what the accused count and the
+    # clusters read; `scores` itself when combine is mean
+    mean_scores: Optional[np.ndarray] = None
+
+    @property
+    def count_scores(self) -> Optional[np.ndarray]:
+        return self.scores if self.mean_scores is None else self.mean_scores
 
 
 @dataclass(frozen=True)

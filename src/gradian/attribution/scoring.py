@@ -14,7 +14,7 @@ and the harm-signed directions that reproduce them, `per_item = w @ g`); `attrib
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -56,6 +56,44 @@ def harm_directions(unit: np.ndarray, direction: str) -> np.ndarray:
 def aggregate(per_item: np.ndarray) -> np.ndarray:
     """Average the per-item score vectors (never the gradients: one large-norm item would dominate)."""
     return per_item.mean(axis=0) if per_item.shape[0] else np.zeros(per_item.shape[1], dtype=np.float32)
+
+
+def item_z(rank_item: np.ndarray) -> np.ndarray:
+    """Each item's scores [Q, N] as robust z-scores against that item's own rows (`accused.robust_z`: the median
+    and 1.4826 x MAD of the item's scores over every row), float64."""
+    from .accused import robust_z
+
+    return np.stack([robust_z(r)[0] for r in np.asarray(rank_item)]) if len(rank_item) else \
+        np.zeros((0, np.shape(rank_item)[1]))
+
+
+def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
+    """A row's ranking score from its per-item scores [Q, N] (`attribution.combine`): the mean over items, or
+    `max`: the item the row stands out on most, each item's scores in robust z units of that item's own rows.
+
+    Why z and not the raw max: items differ in how widely the bulk of rows scatters around zero (a garbled answer's
+    query aligns a little with everything), and the raw max over items is then won by the noisiest item's benign
+    rows (measured on a 40-row SmolLM2 fact set: AUPRC 0.771 raw, 1.000 in z; Gemma-3's facts 0.679 and 0.950)."""
+    if how == "max":
+        if not len(rank_item):
+            return np.zeros(np.shape(rank_item)[1], dtype=np.float32)
+        return item_z(rank_item).max(axis=0)
+    return aggregate(rank_item)
+
+
+def resolve_combine(setting: str, own_words: Sequence[bool]) -> str:
+    """`attribution.combine` as a run uses it: auto is max (`combine_items`) when every failing item's query is an
+    own-words one and mean otherwise.
+
+    Why (bench/README.md, "Rank by the strongest item"): an own-words item is one fact or one turn, taught by its
+    own few rows; the mean over Q items divides such a row's score by Q while every benign row keeps its small
+    alignment with all of them, so on a multi-turn set where five of six failing items are collateral damage the
+    row that planted the sixth ranked 55th (the max: 1st). A behaviour's items are one class of answers with one
+    cause, and there the mean averages each item's sampling noise away (the max lost a rank on a language switch)."""
+    if setting != "auto":
+        return setting
+    flags = list(own_words)
+    return "max" if flags and all(flags) else "mean"
 
 
 def rank(scores: np.ndarray, k: int | None = None) -> np.ndarray:

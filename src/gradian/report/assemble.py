@@ -69,6 +69,7 @@ def query_entry(a: Attribution) -> dict:
     if ck is not None:
         entry["optimizer" if "optimizer" in ck else "checkpoints"] = ck
     entry["preconditioner"] = sc.precond.describe()
+    entry["combine"] = a.ranked.combine
     margins = a.explanation.margins or [{}] * len(q.items)
     for qi, text, row, rrow, m in zip(q.items, q.span_texts, sc.per_item, sc.rank_item, margins):
         top = rank(rrow, cfg.attribution.top_k)

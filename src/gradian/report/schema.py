@@ -173,6 +173,11 @@ class Query(_Model):
         "regression (items the fine-tune broke) or improvement (items it fixed); empty for a smoke test.")
     items: list[QueryEntry] = Field(description="The failing items (empty unless attributed).")
     preconditioner: Preconditioner = _absent("The fitted preconditioner (attributed only).")
+    combine: Literal["mean", "max"] = _absent(
+        "How the failing items' scores combine into a row's ranking score (`attribution.combine` resolved; attributed "
+        "only): mean over the items, or max (the item the row stands out on most, each item's scores as robust z-scores "
+        "against that item's own rows: own-words queries under auto; scores.npy and `window_score` are then in z "
+        "units). The accused count is the mean's either way.")
     checkpoints: Checkpoints = _absent("Present when scores were averaged over earlier checkpoints.")
     optimizer: OptimizerScores = _absent("Present when the scores are the optimizer-aware ones "
                                          "(`attribution.optimizer: adamw` and a recorded trajectory).")

@@ -145,6 +145,9 @@ def _ranking(report: Mapping[str, Any]) -> tuple[list[dict[str, Any]], set[int]]
                 "position": r.get("position"),
                 "id": as_str(r.get("id")),
                 "score": r.get("score"),
+                # what the histogram of scores.npy is drawn from: the ranking score (best window or exchange, the
+                # max over items), which is not the whole-row mean for every row
+                "rank_score": r.get("window_score", r.get("score")),
                 "base_loss": bl,
                 "tuned_loss": tl,
                 "loss_change": (tl - bl) if (bl is not None and tl is not None) else None,
@@ -184,7 +187,7 @@ def _scores_plot(report: Mapping[str, Any], rows: list[dict[str, Any]], planted:
         if h.get("edges") is not None and h.get("counts") is not None:
             hist = {"edges": as_list(h.get("edges")), "counts": as_list(h.get("counts"))}
     accused = [
-        {"score": r["score"], "rank": r["rank"], "id": r["id"], "planted": bool(r["planted"])} for r in rows
+        {"score": r["rank_score"], "rank": r["rank"], "id": r["id"], "planted": bool(r["planted"])} for r in rows
     ]
     # Planted rows that did not make the ranking: report their rank when every score is known.
     in_ranking = {as_int(r["position"]) for r in rows}
@@ -272,7 +275,7 @@ def _query(report: Mapping[str, Any], rank_by_pos: dict[int, Any]) -> dict[str, 
     ck = as_dict(q.get("checkpoints"))
     checkpoints = [as_str(x) for x in (ck.get("labels") or [])] if isinstance(ck.get("labels"), list) else []
     return {"formulation": as_str(q.get("formulation")), "rows": items[:MAX_ITEMS_SHOWN], "total": len(items),
-            "checkpoints": checkpoints}
+            "checkpoints": checkpoints, "combine": as_str(q.get("combine"))}
 
 
 def _fidelity(index: Mapping[str, Any], fidelity: Mapping[str, Any] | None) -> list[dict[str, Any]]:
