@@ -78,8 +78,8 @@ def test_with_max_the_named_exchange_is_the_best_items_best():
     ex = Example("c", 0, "messages", {"messages": msgs})
     scores = np.array([[0.3, 0.0, 0.1], [0.3, 0.0, 0.1], [0.3, 0.0, 0.1], [0.0, 0.1, 0.5]], dtype=np.float32)
     found = {"best": scores.argmax(1), "scores": scores}
-    assert ranked_turn(ex, found, "mean")["turn"] == 0  # wins three items: 0.9 in all
-    t = ranked_turn(ex, found, "max")
+    assert ranked_turn(ex, found)["turn"] == 0  # wins three items: 0.9 in all
+    t = ranked_turn(ex, found, 3)  # item 3 sets the row's score under max
     assert t["turn"] == 2 and t["text"] == "Osaka." and t["items"] == 1
 
 

@@ -198,7 +198,9 @@ def test_attribute_ranks_a_tiny_conversation_set_by_exchange(tmp_path):
     exchange, the planted rows' `turn` is their planted turn, and the planted rows rank as well as whole rows do
     (measured with `bench/fidelity.py --scenarios conversation4 --seeds 0`: AUPRC 0.942 by exchange, 0.898 whole;
     7 accused, all planted, against 1). By exchange / whole rows, each kernel path with a fresh cache (its own
-    adapter): native 0.942 / 0.898, ATEN_CPU_CAPABILITY=default 0.934 / 0.899, avx2 0.802 / 0.764."""
+    adapter): native 0.942 / 0.898, ATEN_CPU_CAPABILITY=default 0.934 / 0.899, avx2 0.802 / 0.764 (items combined by
+    their mean; with the max z of `attribution.combine: auto`, the default since, 0.958 by exchange natively, and the
+    test passes under the default and avx2 kernel paths with fresh caches)."""
     from test_precondition import trained_scenario
 
     from gradian.attribution.scoring import auprc

@@ -22,7 +22,7 @@ from .attribution.decisive import decision_positions, decisive_starts, with_star
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions, rerank_order
-from .attribution.scoring import Scores, aggregate, combine_items, degenerate, rank, resolve_combine
+from .attribution.scoring import Scores, aggregate, combine_items, degenerate, item_z, rank, resolve_combine
 from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
@@ -144,8 +144,7 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     order, mean_scores = sc.order, None
     if combine == "max":
         # ranked by the item each row stands out on most (robust z per item); the accused count and the clusters keep
-        # the mean
-        # (`resolve_combine`). A projected index's exact re-rank keeps its candidates first, by their exact max.
+        # the mean (`resolve_combine`). A projected index's exact re-rank keeps its candidates first, by their max.
         mean_scores, scores = scores, combine_items(sc.rank_item, "max").astype(np.float32)
         order = None if sc.order is None else rerank_order(scores, sc.cand, scores[sc.cand])
     declined = degenerate(sc.norms, scores)
@@ -245,6 +244,8 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
     """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
     given the accused count, whether it is accused."""
     top = order[: s.cfg.attribution.top_k].tolist()
+    # with items combined by their max, the item that sets each row's score (in each item's z units)
+    strongest = item_z(sc.rank_item).argmax(0) if combine == "max" and sc is not None and sc.turns else None
     kw = dict(batch_size=s.cfg.grads.batch_size, pad_id=s.pad_id)
     base_l = row_losses(s.model, s.toks, top, base=True, **kw)
     tuned_l = row_losses(s.model, s.toks, top, base=False, **kw)
@@ -264,21 +265,21 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
                 rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
                 row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
             if p in sc.turns:
-                row["turn"] = ranked_turn(ex, sc.turns[p], combine)
+                row["turn"] = ranked_turn(ex, sc.turns[p], None if strongest is None else int(strongest[p]))
         if accused is not None:
             row["accused"] = r <= accused
         ranking.append(row)
     return ranking
 
 
-def ranked_turn(ex, found: dict, combine: str = "mean") -> dict:
+def ranked_turn(ex, found: dict, strongest: Optional[int] = None) -> dict:
     """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`): the exchange whose wins
     (the items it is the best exchange of) add the most to the row's ranking score; with items combined by their
-    max, the best exchange of the item that sets the row's score."""
+    max, the best exchange of `strongest`, the item that sets the row's score."""
     scores, best = np.asarray(found["scores"]), np.asarray(found["best"])
     U = scores.shape[1]
-    if combine == "max" and best.size:
-        k = int(best[int(np.argmax(scores[np.arange(best.size), best]))])
+    if strongest is not None:
+        k = int(best[strongest])
     else:
         share = np.array([scores[best == u, u].sum() for u in range(U)])
         k = int(np.argmax(share))
