@@ -22,7 +22,7 @@ from .attribution.decisive import decision_positions, decisive_starts, with_star
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions, rerank_order
-from .attribution.scoring import Scores, aggregate, combine_items, degenerate, item_z, rank, resolve_combine
+from .attribution.scoring import Scores, aggregate, degenerate, rank, resolve_combine, strongest_items
 from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
@@ -141,11 +141,14 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     sc = scored.scores
     combine = resolve_combine(s.cfg.attribution.combine, [q.own_words for q in queries.items])
     scores, totals = sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
-    order, mean_scores = sc.order, None
+    order, mean_scores, strongest = sc.order, None, None
     if combine == "max":
-        # ranked by the item each row stands out on most (robust z per item); the accused count and the clusters keep
-        # the mean (`resolve_combine`). A projected index's exact re-rank keeps its candidates first, by their max.
-        mean_scores, scores = scores, combine_items(sc.rank_item, "max").astype(np.float32)
+        # ranked by the item each row stands out on most (robust z per item: `scoring.combine_items`); the accused
+        # count and the clusters keep the mean (`resolve_combine`). A projected index's exact re-rank keeps its
+        # candidates first, by their max.
+        mean_scores = scores
+        scores, strongest = strongest_items(sc.rank_item)
+        scores = scores.astype(np.float32)
         order = None if sc.order is None else rerank_order(scores, sc.cand, scores[sc.cand])
     declined = degenerate(sc.norms, scores)
     if declined is not None:
@@ -155,7 +158,7 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
                    "(query.items); each query needs a passing and a failing answer that differ")
         scored.close()
     summary = scored.rows_summary if scored.one_pass is None else None
-    return Ranked(scored, order, scores, totals, declined, summary, combine, mean_scores)
+    return Ranked(scored, order, scores, totals, declined, summary, combine, mean_scores, strongest)
 
 
 def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked) -> Explanation:
@@ -175,7 +178,7 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
     try:
         accused = accused_set(ranked.count_scores, order, limit=cfg.attribution.top_k, combine=ranked.combine)
         with s.log.stage("base_scores"):
-            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"], ranked.combine)
+            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"], ranked.strongest)
         spans, clusters, info, block, margins = (), (), None, None, ()
         if rows:
             with s.log.stage("spans"):
@@ -240,12 +243,10 @@ def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings)
 
 
 def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores],
-              accused: Optional[int] = None, combine: str = "mean") -> list[dict]:
+              accused: Optional[int] = None, strongest: Optional[np.ndarray] = None) -> list[dict]:
     """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
     given the accused count, whether it is accused."""
     top = order[: s.cfg.attribution.top_k].tolist()
-    # with items combined by their max, the item that sets each row's score (in each item's z units)
-    strongest = item_z(sc.rank_item).argmax(0) if combine == "max" and sc is not None and sc.turns else None
     kw = dict(batch_size=s.cfg.grads.batch_size, pad_id=s.pad_id)
     base_l = row_losses(s.model, s.toks, top, base=True, **kw)
     tuned_l = row_losses(s.model, s.toks, top, base=False, **kw)

@@ -48,6 +48,8 @@ class Ranked:
     # the items' mean ranking score (best window / exchange per item, averaged): what the accused count and the
     # clusters read; `scores` itself when combine is mean
     mean_scores: Optional[np.ndarray] = None
+    # with combine max, the item that sets each row's score (its best exchange names a conversation's `turn`)
+    strongest: Optional[np.ndarray] = None
 
     @property
     def count_scores(self) -> Optional[np.ndarray]:

@@ -74,11 +74,17 @@ def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
     Why z and not the raw max: items differ in how widely the bulk of rows scatters around zero (a garbled answer's
     query aligns a little with everything), and the raw max over items is then won by the noisiest item's benign
     rows (measured on a 40-row SmolLM2 fact set: AUPRC 0.771 raw, 1.000 in z; Gemma-3's facts 0.679 and 0.950)."""
-    if how == "max":
-        if not len(rank_item):
-            return np.zeros(np.shape(rank_item)[1], dtype=np.float32)
-        return item_z(rank_item).max(axis=0)
-    return aggregate(rank_item)
+    return strongest_items(rank_item)[0] if how == "max" else aggregate(rank_item)
+
+
+def strongest_items(rank_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's robust z on the item it stands out on most [N], that item's index [N]): `combine_items` max and
+    the item whose best exchange names a conversation's `turn`, from one z computation."""
+    if not len(rank_item):
+        n = np.shape(rank_item)[1]
+        return np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.int64)
+    z = item_z(rank_item)
+    return z.max(axis=0), z.argmax(axis=0)
 
 
 def resolve_combine(setting: str, own_words: Sequence[bool]) -> str:
