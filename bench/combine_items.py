@@ -15,6 +15,17 @@ then prints, per run, the AUPRC of the planted rows under each way of combining 
 * ``max raw``: the max of the raw scores; ``mean z``: the mean of the z-scores; ``top2``: the mean of each row's
   two best items; ``l4+``: the L4 norm of the positive parts (candidates measured, not shipped).
 
+Then how many rows each candidate count rule accuses (planted / accused, the accused being that many rows from the
+top of the ``max z`` ranking) and the margin it has to work with:
+
+* ``mean's count``: rows whose items' mean is more than 6 robust sd above the median (shipped: `accused.accused_set`);
+* ``max z > 6``: rows whose strongest item's robust z exceeds 6; ``max z > 6 (Q)``: the same threshold corrected
+  for the max over Q items (the normal quantile of Q times the one-item tail of 6 sd);
+* ``z of max z > 6``: the robust z of the max-z scores themselves against all rows;
+* ``planted min / benign max``: the lowest planted row's and the highest benign row's strongest-item z: no rule on
+  the strongest item alone can accuse every planted row of one run and no benign row of another when a planted
+  minimum sits below another run's benign maximum.
+
 One torch thread; prints ONE JSON object as the last line.
 """
 
@@ -75,11 +86,29 @@ def combinations(per: np.ndarray) -> dict[str, np.ndarray]:
             "l4+": np.mean(np.maximum(per, 0.0) ** 4, axis=0) ** 0.25}
 
 
+def count_rules(per: np.ndarray) -> dict[str, int]:
+    """How many rows each candidate count rule accuses (module docstring)."""
+    from scipy.stats import norm
+
+    from gradian.attribution.accused import Z_ACCUSED, accused_count
+    from gradian.attribution.scoring import combine_items
+
+    per = per.astype(np.float64)
+    mx = combine_items(per, "max")
+    t_q = float(norm.isf(min(1.0, per.shape[0] * norm.sf(Z_ACCUSED))))
+    return {"mean's count": accused_count(per.mean(0)), "max z > 6": int((mx > Z_ACCUSED).sum()),
+            "max z > 6 (Q)": int((mx > t_q).sum()), "z of max z > 6": accused_count(mx)}
+
+
+def fmt1(x) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path)
     args = ap.parse_args()
-    from gradian.attribution.scoring import auprc, resolve_combine
+    from gradian.attribution.scoring import auprc, rank, resolve_combine
 
     res = {}
     names = None
@@ -89,13 +118,26 @@ def main() -> None:
         planted = json.loads((run / "truth.json").read_text())["planted"]
         got = {k: auprc(v, planted) for k, v in combinations(per).items()}
         names = names or list(got)
+        mx = combinations(per)["max z"]
+        order = rank(mx)
+        accused = {k: [int(len(set(order[:c].tolist()) & set(planted))), int(c)] for k, c in count_rules(per).items()}
+        benign = np.delete(mx, planted)
         res[run.name] = {"items": int(per.shape[0]), "rows": int(per.shape[1]), "planted": len(planted),
-                         "auto": resolve_combine("auto", [own]), "auprc": got}
+                         "auto": resolve_combine("auto", [own]), "auprc": got, "accused": accused,
+                         "planted_min_max_z": float(mx[planted].min()) if planted else None,
+                         "benign_max_max_z": float(benign.max()) if benign.size else None}
     print("| run | items | rows | auto | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
     for name, r in res.items():
         print(f"| {name} | {r['items']} | {r['rows']} | {r['auto']} | "
               + " | ".join(f"{r['auprc'][k]:.3f}" for k in names) + " |")
+    rules = list(next(iter(res.values()))["accused"]) if res else []
+    print()
+    print("| run | " + " | ".join(rules) + " | planted min / benign max (max z) |")
+    print("|---|" + "---|" * len(rules) + "---|")
+    for name, r in res.items():
+        print(f"| {name} | " + " | ".join(f"{r['accused'][k][0]} / {r['accused'][k][1]}" for k in rules)
+              + f" | {fmt1(r['planted_min_max_z'])} / {fmt1(r['benign_max_max_z'])} |")
     print(json.dumps({"bench": "combine_items", "results": res}))
 
 
