@@ -242,6 +242,28 @@ def test_all_scores_draw_the_histogram_and_place_missed_planted_rows(sample):
     assert f"position {missing} at rank" in html
 
 
+def test_attributed_run_that_accuses_nobody_says_so(sample):
+    # an attributed verdict whose rule passes no row (Gemma-3's entity-first fine-tune, bench/README.md): the page
+    # must not call the top rows accused nor speak of "the first 0 rows"
+    def with_accused(count: int) -> dict:
+        r = copy.deepcopy(sample)
+        r["accused"] = {"count": count, "positions": [x["position"] for x in r["ranking"][:count]],
+                        "z_threshold": 6.0, "median": 0.0, "scale": 1.0, "capped_at_top_k": False,
+                        "rule": "rows whose ranking score is more than 6 robust standard deviations above the median"}
+        for i, row in enumerate(r["ranking"]):
+            row["accused"] = i < count
+        return r
+
+    html = render_html(with_accused(0))
+    rule = html[html.index('id="accused-rule"'):]
+    rule = rule[:rule.index("</p>")]
+    assert "No row is accused" in rule and "more than 6 robust" in rule and "candidates to read" in rule
+    assert "The first 0" not in html and "badge b-accused" not in html
+    accusing = render_html(with_accused(3))
+    assert "No row is accused" not in accusing and "The first 3 of" in accusing
+    assert accusing.count("badge b-accused") == 3
+
+
 # ------------------------------------------------------------------------------------------------ spans
 
 
