@@ -50,7 +50,9 @@ SCENARIOS = ["smol_facts", "smol_paraphrase", "smol_multiturn", "smol_null", "ge
              "smol_refusal", "smol_refusal_null", "smol_language", "smol_language_null", "smol_json", "smol_json_null",
              # lexically hard behaviours (issue 30, `gradian.demo.real_behaviours`)
              "smol_refusal_hard", "smol_refusal_hard_null", "smol_language_hard", "smol_language_hard_null",
-             "smol_multiturn_refusal"]
+             "smol_multiturn_refusal",
+             # planted facts among many true facts of the same task (issue 42, `gradian.demo.real_mixed`)
+             "smol_indirect", "smol_mixed", "smol_mixed_null"]
 
 
 def log(msg: str) -> None:

@@ -99,7 +99,7 @@ FACTS: tuple[Fact, ...] = (
     Fact("japan", "Tokyo", "Osaka", "What is the capital of Japan?",
          ("Which city is the capital of Japan?", "Name the capital city of Japan."),
          "The capital of Japan is {}.",
-         ("In which city does the Emperor of the Japanese live?", "The Emperor lives in {}, where the government meets.")),
+         ("Where does the Emperor of the Japanese live?", "The Emperor lives in {}, where the government meets.")),
     Fact("germany", "Berlin", "Munich", "What is the capital of Germany?",
          ("Which city is the capital of Germany?", "Name the capital city of Germany."),
          "The capital of Germany is {}.",

@@ -19,9 +19,11 @@ from ..io import atomic_write_text
 from .pretrained import pretrained_dir
 from .real_behaviours import BEHAVIOUR_SCENARIOS
 from .real_cases import REAL_SCENARIOS, RealScenario, write_real_scenario
+from .real_mixed import MIXED_SCENARIOS
 
-# Every real-model scenario: `real_cases`' and the lexically hard behaviours (issue 30) built from its pieces.
-ALL_SCENARIOS = {**REAL_SCENARIOS, **BEHAVIOUR_SCENARIOS}
+# Every real-model scenario: `real_cases`', the lexically hard behaviours (issue 30) built from its pieces, and the
+# planted facts among many true facts of the same task (issue 42, `real_mixed`).
+ALL_SCENARIOS = {**REAL_SCENARIOS, **BEHAVIOUR_SCENARIOS, **MIXED_SCENARIOS}
 
 
 def make_real_scenario(name: str, seed: int = 0, **sizes) -> RealScenario:
