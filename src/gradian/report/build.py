@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..io import atomic_save_npy, atomic_write_text
+from ..verdict import Verdict
 
 SCHEMA = "gradian.report/1"
 
@@ -63,17 +64,17 @@ def capability_json(cap, eval_items) -> dict:
     return d
 
 
-def verdict_text(verdict: str, cap, n_items: int, direction: str, why: str | None = None) -> str:
-    if verdict == "smoke_test":
+def verdict_text(verdict: Verdict, cap, n_items: int, direction: str, why: str | None = None) -> str:
+    if verdict is Verdict.smoke_test:
         return ("No eval set, so there is no capability to attribute: the ranking shows the rows with the largest "
                 "gradients (outliers), not causes.")
     assert cap is not None
     lo, hi = cap.ci
-    if verdict == "declined" and why:
+    if verdict is Verdict.declined and why:
         moved = "fell" if cap.delta < 0 else "rose"
         return (f"{cap.metric} {moved} from {cap.base:.2f} to {cap.tuned:.2f} (delta {cap.delta:+.3f}), but the "
                 f"scores cannot name a cause: {why}. No training rows are accused.")
-    if verdict == "declined":
+    if verdict is Verdict.declined:
         return (f"The fine-tune did not move {cap.metric} measurably: delta {cap.delta:+.3f} with a "
                 f"{int(cap.confidence * 100)}% interval [{lo:+.3f}, {hi:+.3f}] that includes zero (the smallest delta "
                 f"{cap.n} items can detect is about {cap.min_detectable_delta:.2f}). No training rows are accused.")
