@@ -30,15 +30,27 @@ def score_summary(scores: np.ndarray, bins: int = 40) -> dict:
 
 
 def write_report(out_dir: Path, report: dict[str, Any], scores: np.ndarray | None) -> Path:
-    """report.json and scores.npy; report.html when the HTML renderer is available."""
+    """report.json and scores.npy; then report.html, rendered from report.json's text read back as the typed report
+    (as `read.load_report` reads it), so the page shows what any reader of the file gets."""
+    from pydantic import ValidationError
+
+    from .html import write_html
+    from .read import schema_problem
+    from .schema import Report
+
     out_dir.mkdir(parents=True, exist_ok=True)
     if scores is not None:
         atomic_save_npy(out_dir / "scores.npy", scores.astype(np.float32))
     path = out_dir / "report.json"
-    atomic_write_text(path, json.dumps(report, indent=2, ensure_ascii=False, default=_json_default))
-    from .html import write_html
-
-    write_html(report, out_dir / "report.html")
+    text = json.dumps(report, indent=2, ensure_ascii=False, default=_json_default)
+    atomic_write_text(path, text)
+    try:
+        typed = Report.model_validate_json(text)
+    except ValidationError as e:  # the writer and the schema disagree: gradian's bug, not the user's input
+        raise RuntimeError(f"{schema_problem(e, str(path))}: report.json was written but does not match "
+                           "gradian.report/1 (gradian/report/schema.py), so report.html was not; please report "
+                           "this") from None
+    write_html(typed, out_dir / "report.html")
     return path
 
 

@@ -14,6 +14,10 @@ Rules the models follow:
 * Dump with ``model_dump(by_alias=True, exclude_unset=True)`` to get report.json's keys back (``schema`` is the
   alias of `Report.schema_id`).
 
+Adding a key: write it in `report.assemble`, declare it here on its model with `_absent` (a nested object as its own
+`_Model`, e.g. a list of evidence entries on `Accused`), regenerate docs/report.schema.json; every reader (the page,
+the terminal, verify, fidelity: `report.read`) then gets it typed, and None from a report written before it.
+
 Regenerate docs/report.schema.json with ``python -m gradian.report.schema > docs/report.schema.json``.
 """
 

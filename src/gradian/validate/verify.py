@@ -400,7 +400,6 @@ def _remove_retrains(work: Path, names: Sequence[str]) -> None:
 
 
 def rewrite_html(run_dir: Path) -> Optional[Path]:
-    from ..report.html import load_run, write_html
+    from ..report.html import write_run_html
 
-    rep, ver, fid = load_run(run_dir)
-    return write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
+    return write_run_html(run_dir)
