@@ -556,7 +556,8 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
     Qe = query_vectors(exact_cap, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=cfg.grads.max_seq_length,
                        batch_size=bs).numpy()
     projs = {w: Projector(shapes, w, "data-aware", GradsConfig().projection_seed) for w in widths}
-    # one fit (its two passes do not depend on the width), finished once per width
+    # one fit (its two passes do not depend on the width), finished once per width: `finish` shares the fitter's
+    # `dim` out over the sides' largest eigenvalues, so it is set to each projector's width in turn
     fit_pos = basis_sample(toks, DEFAULT_FIT_ROWS_MID, GradsConfig().projection_seed)
     fitter = projs[widths[0]].fitter()
     t_fit = time.process_time()
@@ -568,7 +569,7 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
                 fitter.update(i, dA, dB)
         fitter.end_pass()
     for w, pr in projs.items():
-        fitter.p = pr
+        fitter.dim = pr.dim
         pr.set_basis(fitter.finish())
     t_fit = time.process_time() - t_fit
     Qp = {w: project_flat(pr, shapes, Qe) for w, pr in projs.items()}
