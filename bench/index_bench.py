@@ -1,7 +1,7 @@
 """Index benchmark (a measurement, not a test): what building and scoring a gradient index costs, and how well
 projected scores keep the exact ranking.
 
-    .venv/bin/python bench/index_bench.py --quick      # under 3 minutes on 2 CPU cores (tiny model cached)
+    .venv/bin/python bench/index_bench.py --quick      # about 4 CPU minutes, one thread (models cached: README)
     .venv/bin/python bench/index_bench.py              # more rows, widths, repetitions and loss chunks
     .venv/bin/python bench/index_bench.py --smoke      # every section at toy sizes, seconds (make bench-smoke)
 
@@ -700,7 +700,7 @@ def _meets(rr: dict) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rows, widths, repetitions (under 3 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer rows, widths, repetitions (about 4 CPU minutes)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-bench"), help="scratch directory")
     ap.add_argument("--rows", type=int, default=None, help="rows scored for fidelity (default 1200 quick / 3000)")
     ap.add_argument("--seed", type=int, default=0)
