@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-scale test-real test-portable bench bench-env bench-fidelity bench-ekfac clean
+.PHONY: venv demo test test-scale test-real test-portable bench bench-smoke bench-env bench-fidelity bench-ekfac clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,12 @@ test-portable: venv
 
 bench: venv
 	$(BIN)/python bench/index_bench.py --quick
+
+# Every bench's smoke mode (`bench/NAME.py --smoke`, bench/_smoke.py): each script's own code path on the tiny model,
+# two at a time, each ending with its JSON line (.ci/bench-smoke; CI runs it after `make test`). Not part of `make
+# test`: it starts about thirty Python processes.
+bench-smoke: venv
+	PY=$(BIN)/python .ci/bench-smoke
 
 # Packages a bench needs that the project does not (kronfluence, for bench/ekfac_check.py), installed into the
 # ignored .bench-env/ of this checkout, never into .venv: kronfluence's torchvision requirement would pull a

@@ -3,6 +3,8 @@ many draws from one fine-tune.
 
     .venv/bin/python bench/behaviour_draws.py extract RUN [--per-item 48] [--temperatures 1.0,0.7]
     .venv/bin/python bench/behaviour_draws.py analyse RUN
+    .venv/bin/python bench/behaviour_draws.py --smoke      # extract (8 answers, one temperature) and analyse on
+                                                           # bench/_smoke.py's tiny scenario
 
 RUN is a fine-tuned real scenario with a behaviour metric (`bench/real_models.py --work DIR --scenarios NAME`).
 `extract` samples `--per-item` answers per failing item from the fine-tune at each temperature (seeded; the sampler
@@ -63,7 +65,10 @@ def extract(run: Path, per_item: int, temperatures: list[float]) -> None:
                                  temperature=T) for T in temperatures}
     print(f"sampled {per_item} x {len(qitems)} items x {len(temperatures)} temperatures "
           f"({time.process_time() - t0:.0f} CPU s)", flush=True)
-    cks = sorted((run / "adapter").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    from gradian.attribution.checkpoints import saved_adapters, without_final
+
+    # the earliest saved state: a Trainer's checkpoint-<step> or `gradian train`'s epoch-<k>
+    cks = without_final(saved_adapters(str(run / "adapter")), str(run / "adapter"))
     with s.checkpoint(str(cks[0].resolve()), "draws") as view:
         capture = GradientCapture(view.model, view.sites, Projector(site_shapes(view.sites)))
 
@@ -93,7 +98,7 @@ def extract(run: Path, per_item: int, temperatures: list[float]) -> None:
     (out / "meta.json").write_text(json.dumps(meta))
 
 
-def analyse(run: Path) -> None:
+def analyse(run: Path) -> list[dict]:
     from gradian.attribution.scoring import auprc
 
     out = run / "draws"
@@ -103,10 +108,11 @@ def analyse(run: Path) -> None:
     gn = rows["gn"]
     print("| scenario | temperature | n | draws | AUPRC mean | AUPRC worst | perfect draws | worst planted rank per draw |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for T in meta["temperatures"]:
         data = [np.load(out / f"T{T}_q{j}.npz") for j in range(len(meta["items"]))]
         N = len(data[0]["passes"])
-        for n in sorted({8, 16, 32, N}):
+        for n in sorted({x for x in (8, 16, 32) if x < N} | {N}):
             res = []
             for start in range(0, N - n + 1, n):
                 per = []
@@ -125,19 +131,34 @@ def analyse(run: Path) -> None:
             a = [r[0] for r in res]
             print(f"| {run.name} | {T} | {n} | {len(res)} | {np.mean(a):.3f} | {np.min(a):.3f} | "
                   f"{sum(x >= 0.9999 for x in a)}/{len(a)} | {[r[1] for r in res]} |")
+            rows.append({"temperature": T, "n": n, "draws": len(res), "auprc_mean": float(np.mean(a)),
+                         "auprc_worst": float(np.min(a)), "worst_planted_rank": [r[1] for r in res]})
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["extract", "analyse"])
-    ap.add_argument("run", type=Path)
+    ap.add_argument("what", nargs="?", choices=["extract", "analyse"])
+    ap.add_argument("run", nargs="?", type=Path)
     ap.add_argument("--per-item", type=int, default=48)
     ap.add_argument("--temperatures", default="1.0,0.7")
+    ap.add_argument("--smoke", action="store_true",
+                    help="extract (--per-item 8 --temperatures 1.0) then analyse on bench/_smoke.py's tiny scenario")
     a = ap.parse_args()
-    if a.what == "extract":
+    if a.smoke:
+        from _smoke import tiny_run
+
+        run = tiny_run()
+        extract(run, 8, [1.0])
+        rows = analyse(run)
+    elif a.what is None or a.run is None:
+        ap.error("give WHAT and RUN (or --smoke)")
+    elif a.what == "extract":
         extract(a.run, a.per_item, [float(x) for x in a.temperatures.split(",")])
+        return
     else:
-        analyse(a.run)
+        rows = analyse(a.run)
+    print(json.dumps({"bench": "behaviour_draws", "smoke": a.smoke, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ scored by dot products (optionally in a diagonal metric), beside BM25 and repres
 
     .venv/bin/python bench/behaviour_probe.py extract RUN [--state earliest|final] [--samples 8]
     .venv/bin/python bench/behaviour_probe.py analyse RUN [--state earliest] [--agg mean|max|z|max/mean|zmax/mean]
+    .venv/bin/python bench/behaviour_probe.py --smoke   # extract (2 samples) and analyse on bench/_smoke.py's run
 
 RUN is a fine-tuned real scenario (`bench/real_models.py --work DIR --scenarios NAME` writes and fine-tunes it).
 `extract` writes RUN/probe/<state>/: G.npy (rows x D float32), samples.npy (sampled answers' gradients, float16),
@@ -456,14 +457,27 @@ def rows_only(run: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["extract", "analyse", "rows"])
-    ap.add_argument("run", type=Path)
+    ap.add_argument("what", nargs="?", choices=["extract", "analyse", "rows"])
+    ap.add_argument("run", nargs="?", type=Path)
     ap.add_argument("--state", default="earliest")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--ks", default="0,3")
     ap.add_argument("--lams", default="0.5,0.9")
     ap.add_argument("--agg", default="mean", choices=["mean", "max", "z", "max/mean", "zmax/mean"])
+    ap.add_argument("--smoke", action="store_true",
+                    help="extract (--samples 2 --ks 0) then analyse (--lams 0.9) on bench/_smoke.py's tiny scenario")
     a = ap.parse_args()
+    if a.smoke:
+        from _smoke import tiny_run
+
+        run = tiny_run()
+        extract(run, "earliest", 2, [0])
+        res = analyse(run, "earliest", [0.9], a.agg)
+        print(json.dumps({"bench": "behaviour_probe", "smoke": True, "run": str(run), "methods": len(res)},
+                         default=str))
+        return
+    if a.what is None or a.run is None:
+        ap.error("give WHAT and RUN (or --smoke)")
     if a.what == "rows":
         rows_only(a.run)
     elif a.what == "extract":

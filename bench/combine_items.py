@@ -2,6 +2,7 @@
 scores `attribute` computes.
 
     .venv/bin/python bench/combine_items.py RUN [RUN ...]     # a run of bench/real_models.py or bench/fidelity.py
+    .venv/bin/python bench/combine_items.py --smoke           # the tiny scenario of bench/_smoke.py (seconds)
 
 Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The script runs
 `attribute`'s own stages up to the scores (`pipeline.capability_stage`, `query_stage`, `rank_stage`, with the
@@ -106,8 +107,15 @@ def fmt1(x) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("runs", nargs="*", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="on the tiny scenario of bench/_smoke.py: checks the script")
     args = ap.parse_args()
+    if args.smoke:
+        from _smoke import tiny_run
+
+        args.runs = [tiny_run()]
+    if not args.runs:
+        ap.error("give at least one RUN (or --smoke)")
     from gradian.attribution.scoring import auprc, rank, resolve_combine
 
     res = {}

@@ -1,6 +1,7 @@
 """Are the accused rows that a scenario did not plant causes too? Retrain without them and see.
 
     .venv/bin/python bench/counterfactual.py --run WORK/smol_paraphrase   # a run of bench/real_models.py
+    .venv/bin/python bench/counterfactual.py --smoke    # bench/_smoke.py's tiny scenario: 3 retrains of 2 rows
 
 A scenario's truth lists the rows it planted; a report may accuse others. An accused row that is not planted is only
 innocent if the model does not need it: this bench retrains the scenario's recipe (TRL or gradian's loop, removal in
@@ -47,7 +48,7 @@ torch.set_num_threads(1)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", required=True, help="a scenario directory of bench/real_models.py (with bench-out/)")
+    ap.add_argument("--run", help="a scenario directory of bench/real_models.py (with bench-out/)")
     ap.add_argument("--sets", default="unplanted,planted,random", help="which retrains, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out", help="the run's report directory (relative to --run)")
@@ -57,7 +58,15 @@ def main() -> None:
     ap.add_argument("--sets-only", action="store_true",
                     help="print each set's rows and which sets are the same removal (a deterministic retrain of the "
                          "same rows repairs the same items), and retrain nothing")
+    ap.add_argument("--smoke", action="store_true",
+                    help="on bench/_smoke.py's tiny scenario: --sets planted,gradian,bm25 --k 2 (checks the script)")
     args = ap.parse_args()
+    if args.smoke:
+        from _smoke import tiny_run
+
+        args.run, args.sets, args.k = str(tiny_run()), "planted,gradian,bm25", 2
+    if not args.run:
+        ap.error("--run is required (or --smoke)")
 
     from gradian.config import load_config
     from gradian.report.read import load_report

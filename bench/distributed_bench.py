@@ -1,6 +1,7 @@
 """Distributed benchmark (a measurement, not a test): the demo world's index built by 1 and by 2 processes.
 
     .venv/bin/python bench/distributed_bench.py [--rows 4000] [--work DIR] [--nproc 2]
+    .venv/bin/python bench/distributed_bench.py --smoke    # the same on bench/_smoke.py's 48-row tiny scenario
 
 The demo world with `--rows` training rows (the demo scenario's 300 first, then unique chat rows of the same world;
 `bench/scale_bench.py rows_run`), its scenario adapter; `gradian index` run by one process and by `torchrun
@@ -65,14 +66,23 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4000)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gradian-bench")
+    ap.add_argument("--smoke", action="store_true",
+                    help="bench/_smoke.py's tiny scenario (48 rows) instead of the demo world: checks the script")
     a = ap.parse_args()
     os.environ.update(ENV)
-    from scale_bench import rows_run
+    if a.smoke:
+        from _smoke import tiny_run
 
-    spec, d = rows_run(a.work, a.rows)
-    cfg = spec["config"]
+        d = tiny_run()
+        cfg, a.rows = str(d / "gradian.yaml"), 48
+    else:
+        from scale_bench import rows_run
+
+        spec, d = rows_run(a.work, a.rows)
+        cfg = spec["config"]
     sets = ["--set", "attribution.checkpoints=1"]
-    res: dict = {"bench": "distributed", "schema": "gradian.bench.distributed/1", "rows": a.rows, "runs": {}}
+    res: dict = {"bench": "distributed", "schema": "gradian.bench.distributed/1", "rows": a.rows, "smoke": a.smoke,
+                 "runs": {}}
     for n in (1, a.nproc):
         cache = d / f"ix-{n}"
         shutil.rmtree(cache, ignore_errors=True)

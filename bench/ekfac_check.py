@@ -15,6 +15,9 @@ the demo is trained (reused from runs/ekfac-check).
 (accelerate, safetensors and tqdm, which kronfluence also imports, come from .venv: `make venv` installs them.) The
 scratch directory defaults to runs/ekfac-check (the trained demo is kept there and reused).
 
+    .venv/bin/python bench/ekfac_check.py --smoke   # bench/_smoke.py's tiny scenario instead of the demo (seconds);
+                                                    # without kronfluence, Gradian's half alone, and it says so
+
 Matched settings: the demo's trained LoRA (`gradian demo`'s scenario and recipe), the same tracked modules (every
 LoRA A and B Linear, each its own EK-FAC block in both), the same loss (each row's summed supervised-token loss,
 `grads.objectives.per_example_loss`, for the factors, the eigenvalue correction and the training gradients: the
@@ -261,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--real-shape", action="store_true",
                     help="instead: peak RSS of the EK-FAC fit on a SmolLM-135M-shaped model (random weights, LoRA r 16 "
                          "on all 7 projections) for 16 and 48 rows and two statistics budgets; kronfluence not needed")
+    ap.add_argument("--smoke", action="store_true",
+                    help="on bench/_smoke.py's tiny scenario (seconds); kronfluence's half only when it is installed")
     ap.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._probe:
@@ -271,11 +276,16 @@ def main(argv=None) -> int:
         res = real_shape(Path(args.work), [16, 48], 64, [2 << 30, 256 << 20])
         print(json.dumps({"bench": "ekfac_check", "schema": "gradian.bench.ekfac_check/1", "real_shape": res}))
         return 0
+    kron = True
     try:
         import kronfluence  # noqa: F401
     except ImportError:
-        sys.exit(f"kronfluence is not importable from {KRON_SITE.relative_to(ROOT)}: run `make bench-env` (or "
-                 "`make bench-ekfac`, which runs this check after it) from the repository root")
+        if not args.smoke:
+            sys.exit(f"kronfluence is not importable from {KRON_SITE.relative_to(ROOT)}: run `make bench-env` (or "
+                     "`make bench-ekfac`, which runs this check after it) from the repository root")
+        kron = False
+        print(f"kronfluence is not importable from {KRON_SITE.relative_to(ROOT)} (`make bench-env`): this smoke run "
+              "checks Gradian's half alone; kronfluence's scores and the comparison are skipped", file=sys.stderr)
 
     from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
@@ -283,9 +293,13 @@ def main(argv=None) -> int:
     from gradian.setup.session import open_session
 
     work = Path(args.work)
-    run = work / "demo"
-    cfg_path = trained_demo(run)
-    cfg = load_config(cfg_path)
+    if args.smoke:
+        from _smoke import tiny_run, work_dir
+
+        work = work_dir("ekfac_check")
+        cfg = load_config(tiny_run() / "gradian.yaml", ["output=ekfac-out"])
+    else:
+        cfg = load_config(trained_demo(work / "demo"))
     s = open_session(cfg)
     cap = evaluate(s)
     failing, direction = select_failing(cap, s.eval_items)
@@ -309,10 +323,21 @@ def main(argv=None) -> int:
         info = sc.precond.describe()
     finally:
         ix.close()
+    if not kron:
+        res = {"bench": "ekfac_check", "schema": "gradian.bench.ekfac_check/1", "smoke": True,
+               "kronfluence": "skipped: not installed (make bench-env)", "rows": len(s.toks), "items": len(qitems),
+               "gradian_ekfac_vs_diagonal": correlations(G, D),
+               "cpu_s": {"gradian_ekfac": round(t_g, 2), "gradian_diagonal": round(t_d, 2)},
+               "gradian_factors": info["factors"]}
+        print(f"gradian ekfac vs diagonal: Spearman mean {res['gradian_ekfac_vs_diagonal']['spearman_mean']:.4f}; "
+              f"kronfluence skipped (not installed)")
+        print(json.dumps(res, default=str))
+        return 0
     kdir = work / "kronfluence"
     shutil.rmtree(kdir, ignore_errors=True)
     K, kt = kron_scores(cfg, s, qitems, kdir, cfg.grads.batch_size)
-    res = {"bench": "ekfac_check", "schema": "gradian.bench.ekfac_check/1", "rows": len(s.toks), "items": len(qitems),
+    res = {"bench": "ekfac_check", "smoke": args.smoke, "schema": "gradian.bench.ekfac_check/1", "rows": len(s.toks),
+           "items": len(qitems),
            "sites": len(s.sites), "modules": 2 * len(s.sites), "lora_params": sum(x.numel for x in s.sites),
            "gradian_vs_kronfluence": correlations(G, -K),
            "diagonal_vs_kronfluence": correlations(D, -K),

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/equivalence.py --before REV            # REV against the working tree
     .venv/bin/python bench/equivalence.py --before REV --quick    # the demo and its variants only
+    .venv/bin/python bench/equivalence.py --smoke                 # the working tree against itself, on the tiny
+                                                                  # scenario of bench/_smoke.py (checks the harness)
 
 A refactor is proven by equivalence. For each run below, the scenario is written and its adapter trained once
 with the BEFORE code; then `python -m gradian attribute` runs on the very same directory with the BEFORE code and
@@ -16,7 +18,9 @@ index (data-aware 1024, exact re-ranking and the self-check), float16 storage, a
 format: seed 0; null: seeds 0-3) with its defaults.
 
 The BEFORE code runs from a `git worktree` of REV (PYTHONPATH), the AFTER code from this checkout's `src`; both
-in the same virtual environment, one CPU thread. Prints one line per run and exits 1 on any difference.
+in the same virtual environment, one CPU thread. Prints one line per run, then ONE JSON object as the last line, and
+exits 1 on any difference. `--smoke` takes no revision: both sides are this checkout (no worktree), on one run of the
+tiny scenario, so it checks the harness end to end and that a run is reproduced bit for bit.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ if name == "substitution":
     from gradian.demo.run import prepare_demo
     d = out / f"{name}-s{seed}"
     cfg = prepare_demo(d, seed=seed, progress=False)
+elif name == "tiny":
+    from _smoke import write_tiny_scenario
+    cfg = write_tiny_scenario(out / f"{name}-s{seed}", seed=seed)
 else:
     _, d, cfg, _ = fb.prepare(name, seed, out)
 print(cfg)
@@ -162,10 +169,27 @@ def retrained_diffs(cfg: Path, src: Path) -> list[str]:
 
 def common_arguments(ap: argparse.ArgumentParser, work: str) -> None:
     """The options both equivalence benches take: --before, --work (default $TMPDIR/`work`), --reuse-before."""
-    ap.add_argument("--before", required=True, help="git revision of the BEFORE code")
+    ap.add_argument("--before", help="git revision of the BEFORE code (required but with --smoke)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / work)
     ap.add_argument("--reuse-before", action="store_true",
                     help="keep the BEFORE outputs of an earlier run in --work (same REV) and rerun AFTER only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="this checkout on both sides (no revision, no worktree), one tiny run: checks the harness")
+
+
+def sides(args, ap: argparse.ArgumentParser, smoke_name: str) -> tuple[str, Path, Path]:
+    """(revision, BEFORE checkout, work directory): `--before`'s worktree, or with --smoke this checkout itself and
+    bench/_smoke.py's work directory."""
+    if args.smoke:
+        from _smoke import work_dir
+
+        return "checkout", ROOT, work_dir(smoke_name)
+    if not args.before:
+        ap.error("--before REV is required (or --smoke)")
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rev, path = before_checkout(args.before, work)
+    return rev, path, work
 
 
 def before_checkout(before: str, work: Path) -> tuple[str, Path]:
@@ -190,14 +214,14 @@ def main() -> int:
                     help="a config override for every run on both sides (e.g. a default the AFTER code changed on "
                          "purpose, held at the BEFORE value); repeatable")
     args = ap.parse_args()
-    work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    rev, before_src = before_checkout(args.before, work)
+    rev, before_src, work = sides(args, ap, "equivalence")
     b_src, a_src = before_src / "src", ROOT / "src"
     runs: list[tuple[str, str, int, list[str]]] = [(f"demo-{v}", "substitution", 0, s) for v, s in
                                                      DEMO_VARIANTS.items()]
     if not args.quick:
         runs += [(f"{n}-s{seed}", n, seed, []) for n, seed in SCENARIOS]
+    if args.smoke:
+        runs = [("tiny-default", "tiny", 0, [])]
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if r[0] in keep]
@@ -229,6 +253,8 @@ def main() -> int:
         cpu = f"CPU {cpu_b:.1f}s -> {cpu_a:.1f}s" if cpu_b is not None else f"CPU (after) {cpu_a:.1f}s"
         print(f"{label}: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)} ({cpu})", flush=True)
     print(f"{len(runs)} runs, {bad} with differences, {time.time() - t_all:.0f} s wall")
+    print(json.dumps({"bench": "equivalence", "before": rev, "smoke": args.smoke, "runs": len(runs),
+                      "with_differences": bad}))
     return 1 if bad else 0
 
 

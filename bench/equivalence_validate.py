@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/equivalence_validate.py --before REV                 # REV against the working tree
     .venv/bin/python bench/equivalence_validate.py --before REV --reuse-before  # rerun the AFTER side only
+    .venv/bin/python bench/equivalence_validate.py --smoke      # this checkout against itself: tiny-hf, smaller
+                                                                # verify and fidelity (checks the harness)
 
 What `bench/equivalence.py` does for `attribute`, this does for `verify`, `fidelity` and the trainers. Each run's
 scenario is written, its adapter trained and `attribute` run once with the BEFORE code, so both sides read the very
@@ -17,7 +19,10 @@ seed 0). verify: --controls 2 with the report's default K; fidelity: --loo 2 --s
 diagonal preconditioners.
 
 BEFORE runs from a `git worktree` of REV (PYTHONPATH), AFTER from this checkout; same virtual environment, one CPU
-thread. Prints one line per comparison and exits 1 on any difference.
+thread. Prints one line per comparison, then ONE JSON object as the last line, and exits 1 on any difference.
+`--smoke`: no revision, this checkout on both sides (as `bench/equivalence.py --smoke`), the tiny-hf run only, verify
+with --controls 1 --top-k 2 and fidelity with --loo 1 --subsets 2 and the identity preconditioner, and no second
+training (the adapter comparison is bench/equivalence.py's, which its own smoke runs).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from equivalence import ROOT, before_checkout, checked, common_arguments, retrained_diffs, run  # bench/ is sys.path[0]
+from equivalence import ROOT, checked, common_arguments, retrained_diffs, run, sides  # bench/ is sys.path[0]
 
 PREPARE = r"""
 import json, sys
@@ -49,6 +54,8 @@ else:
 RUNS = ("tiny-hf", "tiny-trl", "demo")
 VERIFY_ARGS = ["--controls", "2"]
 FIDELITY_ARGS = ["--loo", "2", "--subsets", "4", "--preconditioner", "identity", "--preconditioner", "diagonal"]
+SMOKE_VERIFY_ARGS = ["--controls", "1", "--top-k", "2"]
+SMOKE_FIDELITY_ARGS = ["--loo", "1", "--subsets", "2", "--preconditioner", "identity"]
 RETRAIN_TIMINGS = ("train_seconds", "eval_seconds")
 
 
@@ -104,19 +111,21 @@ def main() -> int:
     common_arguments(ap, "gradian-equivalence-validate")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
     args = ap.parse_args()
-    work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    rev, before = before_checkout(args.before, work)
+    rev, before, work = sides(args, ap, "equivalence_validate")
     b_src, a_src = before / "src", ROOT / "src"
     scen = work / f"scenarios-{rev[:12]}"
     bad = 0
     t_all = time.time()
-    for name in [r for r in args.runs.split(",") if r]:
+    names = ["tiny-hf"] if args.smoke else [r for r in args.runs.split(",") if r]
+    verbs = ((("verify", SMOKE_VERIFY_ARGS), ("fidelity", SMOKE_FIDELITY_ARGS)) if args.smoke else
+             (("verify", VERIFY_ARGS), ("fidelity", FIDELITY_ARGS)))
+    for name in names:
         cfg = prepared(name, scen, before)
-        diffs = retrained_diffs(cfg, a_src)
-        print(f"{name} train: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)}", flush=True)
-        bad += bool(diffs)
-        for verb, vargs in (("verify", VERIFY_ARGS), ("fidelity", FIDELITY_ARGS)):
+        if not args.smoke:  # the retrain comparison is bench/equivalence.py's own, smoked there
+            diffs = retrained_diffs(cfg, a_src)
+            print(f"{name} train: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)}", flush=True)
+            bad += bool(diffs)
+        for verb, vargs in verbs:
             dest_b, dest_a = work / "results" / "before" / name, work / "results" / "after" / name
             cpu_b = None
             if not (args.reuse_before and (dest_b / f"{verb}.json").exists()):
@@ -128,6 +137,8 @@ def main() -> int:
             print(f"{name} {verb}: {'identical' if not diffs else 'DIFFERENT: ' + '; '.join(diffs)} ({cpu})",
                   flush=True)
     print(f"{bad} comparison(s) with differences, {time.time() - t_all:.0f} s wall")
+    print(json.dumps({"bench": "equivalence_validate", "before": rev, "smoke": args.smoke, "runs": names,
+                      "with_differences": bad}))
     return 1 if bad else 0
 
 

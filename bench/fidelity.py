@@ -3,6 +3,7 @@
     make bench-fidelity                               # = GRADIAN_THREADS=1 .venv/bin/python bench/fidelity.py --quick
     .venv/bin/python bench/fidelity.py                # 3 seeds each, 20 null seeds, every method: ~70 min (estimate)
     .venv/bin/python bench/fidelity.py --scenarios substitution,null --seeds 0,1 --methods identity,bm25
+    .venv/bin/python bench/fidelity.py --smoke        # substitution seed 0, diagonal and bm25 (make bench-smoke)
 
 --quick (seed 0 of every scenario but buried, 4 null seeds, every method but the checkpoint-averaged `ekfac` and
 `adamw`; see QUICK_METHODS) has a budget of 10 minutes on two cores from a fresh clone and a fresh GRADIAN_CACHE (the
@@ -539,7 +540,15 @@ def main(argv=None) -> int:
     ap.add_argument("--loo", type=int, default=20, help="with --lds: leave-one-out rows per group (top, bottom, random)")
     ap.add_argument("--lds-scenarios", default="substitution,conversation4,conversation8,cluster,format",
                     help="with --lds: the scenarios to retrain (buried's 144 long documents take ~45 s per retrain)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--scenarios substitution --seeds 0 --methods diagonal,bm25 under bench/_smoke.py's work "
+                         "directory: checks the harness (one training, one attribute, one baseline)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        from _smoke import work_dir
+
+        args.scenarios, args.seeds, args.methods = "substitution", "0", "diagonal,bm25"
+        args.out, args.single_checks = str(work_dir("fidelity")), 0
 
     from gradian.demo.scenarios import SCENARIO_NAMES
 
@@ -634,7 +643,7 @@ def main(argv=None) -> int:
                 "single_poison": r.get("single_poison"),
                 "methods": {m: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in f.items() if k in keep}
                             for m, f in r["methods"].items()}} for r in runs]
-    result = {"bench": "fidelity", "schema": "gradian.bench.fidelity/1", "quick": bool(args.quick),
+    result = {"bench": "fidelity", "schema": "gradian.bench.fidelity/1", "quick": bool(args.quick), "smoke": args.smoke,
               "default_preconditioner": default, "scenarios": summary, "acceptance": checks, "runs": compact,
               "cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "budget_wall_s": budget,
               "within_budget": None if budget is None else wall <= budget, "torch": torch.__version__}

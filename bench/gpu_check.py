@@ -2,6 +2,8 @@
 
     bench/gpu_check.sh                 # on a machine with one GPU
     bench/gpu_check.sh --cpu-smoke     # the same steps on CPU over small shapes (checks the script end to end)
+    bench/gpu_check.sh --smoke         # --cpu-smoke cut to its first shape without nf4, one repetition (seconds;
+                                       # make bench-smoke)
 
 Steps (each in its own process, with a time limit):
 
@@ -177,6 +179,8 @@ def run(kind: str, spec: dict, timeout: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU over small shapes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--cpu-smoke on its first shape alone, without nf4, one repetition: checks the script")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-gpu-check"))
     ap.add_argument("--budget", type=int, default=None, help="seconds for every step together (default 450 on a "
                     "GPU: under the 8 minutes, 1500 for --cpu-smoke)")
@@ -193,19 +197,25 @@ def main() -> int:
         return 0
     import torch
 
-    smoke = args.cpu_smoke
+    smoke = args.cpu_smoke or args.smoke
     if not smoke and not torch.cuda.is_available():
         log("no CUDA device: run with --cpu-smoke to check the script on CPU")
         return 2
     device = "cpu" if smoke else "cuda"
     work = Path(args.work)
-    out: dict = {"schema": "gradian.bench.gpu_check/1", "mode": "cpu-smoke" if smoke else "gpu", "device": device,
+    if args.smoke:
+        from _smoke import work_dir
+
+        work = work_dir("gpu_check")
+    mode = "smoke" if args.smoke else "cpu-smoke" if smoke else "gpu"
+    out: dict = {"schema": "gradian.bench.gpu_check/1", "mode": mode, "device": device,
                  "gpu": None if smoke else torch.cuda.get_device_name(0), "attribute": [], "overhead": []}
     t0 = time.time()
     DEADLINE[0] = t0 + (args.budget or (1500 if smoke else 450))
     failed = False
-    for sh in shapes(smoke):
-        for quant in ("none", "nf4"):
+    todo = shapes(smoke)[:1] if args.smoke else shapes(smoke)
+    for sh in todo:
+        for quant in ("none",) if args.smoke else ("none", "nf4"):
             label = f"{sh.name}/bf16" + ("+nf4" if quant == "nf4" else "")
             log(f"attribute {label} ...")
             spec = {"kind": "shape", "shape_spec": dataclasses.asdict(sh), "label": label, "rows": 64,
@@ -219,10 +229,10 @@ def main() -> int:
                                     "index_dim", "bytes_per_row", "projection_choice", "stages", "process_seconds")
                 if k in res})
             log(f"  {label}: {res.get('verdict', res.get('error'))} in {res.get('process_seconds')} s")
-    for sh in shapes(smoke)[:: 2]:
+    for sh in todo[:: 2]:
         log(f"overhead {sh.name} ...")
         res = run("overhead", {"shape_spec": dataclasses.asdict(sh), "device": device, "dtype": "bfloat16",
-                               "reps": 3 if smoke else 5}, 240 if not smoke else 900)
+                               "reps": 1 if args.smoke else 3 if smoke else 5}, 240 if not smoke else 900)
         failed |= "error" in res
         res.setdefault("shape", sh.name)
         out["overhead"].append(res)

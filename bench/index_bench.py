@@ -1,8 +1,9 @@
 """Index benchmark (a measurement, not a test): what building and scoring a gradient index costs, and how well
 projected scores keep the exact ranking.
 
-    .venv/bin/python bench/index_bench.py --quick      # under 3 minutes on 2 CPU cores (tiny model cached)
+    .venv/bin/python bench/index_bench.py --quick      # about 4 CPU minutes, one thread (models cached: README)
     .venv/bin/python bench/index_bench.py              # more rows, widths, repetitions and loss chunks
+    .venv/bin/python bench/index_bench.py --smoke      # every section at toy sizes, seconds (make bench-smoke)
 
 Prints a table per section, then ONE JSON object as the last line (see bench/README.md for every field).
 Everything runs on one CPU thread; CPU times are `time.process_time`.
@@ -320,6 +321,7 @@ def overhead_larger(hidden: int, layers: int, r: int, batch: int, seq: int, n_ba
 # ---------------------------------------------------------------------------------------------- loss memory
 
 LOSS_VOCAB, LOSS_BATCH, LOSS_TOKENS, LOSS_HIDDEN = 128256, 8, 512, 16
+SMOKE_LOSS = {"LOSS_VOCAB": 4096, "LOSS_BATCH": 2, "LOSS_TOKENS": 64}  # --smoke: the same children at toy sizes
 
 
 def _rss_kb() -> int:
@@ -388,12 +390,13 @@ def loss_child(variant: str, chunk: int, ref: str) -> None:
     print(json.dumps(res), flush=True)
 
 
-def measure_loss_memory(chunks: list[int], work: Path) -> dict:
+def measure_loss_memory(chunks: list[int], work: Path, smoke: bool = False) -> dict:
     out = {}
     ref = work / "loss-ref.pt"
     ref.unlink(missing_ok=True)
     for variant, ch in [("naive", 0)] + [("chunked", c) for c in chunks]:
         cmd = [sys.executable, __file__, "--_loss-child", variant, "--_chunk", str(ch), "--_ref", str(ref)]
+        cmd += ["--smoke"] if smoke else []
         r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GRADIAN_THREADS": "1"})
         if r.returncode != 0:
             raise RuntimeError(f"loss memory child {variant}/{ch} failed:\n{r.stderr[-2000:]}")
@@ -505,7 +508,8 @@ MID_WIDTHS = [256, 512, 1024, 2048, 4096, 8192]
 MID_LORA = {"lora_r": 16, "lora_alpha": 32.0}
 
 
-def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: int) -> dict:
+def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: int, *, spec_kw: dict | None = None,
+                 train: dict | None = None) -> dict:
     """The data-aware projection on the trained mid-size model (`MID_SPEC`, LoRA r 16 on all 7 projections, the
     substitution scenario): one streaming pass over the rows computes the exact scores and every width's projected
     scores (no [rows, exact width] matrix: 360k dims x 3000 rows would be 4.3 GB), then the re-ranked figures."""
@@ -527,7 +531,8 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
     from gradian.training.loop import train_adapter
     from gradian.training.recipe import read_recipe
 
-    spec = TinySpec(**MID_SPEC)
+    spec_kw = MID_SPEC if spec_kw is None else spec_kw
+    spec = TinySpec(**spec_kw)
     t0 = time.process_time()
     base = build_tiny_base(spec, progress=False)
     info = read_build_info(base)
@@ -535,7 +540,7 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
     run_dir = work / "mid-run"
     run_dir.mkdir(parents=True, exist_ok=True)
     write_scenario(make_substitution_scenario(world, seed=seed), run_dir)
-    cfg_path = write_demo_config(run_dir, base, train={**MID_LORA, "save_checkpoints": False})
+    cfg_path = write_demo_config(run_dir, base, train={**MID_LORA, "save_checkpoints": False, **(train or {})})
     cfg = load_config(cfg_path)
     rec = read_recipe(run_dir / "adapter")
     if rec is None or rec.dataset_fingerprint != dataset_fingerprint(load_train(run_dir / "train.jsonl")):
@@ -556,7 +561,8 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
     Qe = query_vectors(exact_cap, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=cfg.grads.max_seq_length,
                        batch_size=bs).numpy()
     projs = {w: Projector(shapes, w, "data-aware", GradsConfig().projection_seed) for w in widths}
-    # one fit (its two passes do not depend on the width), finished once per width
+    # one fit (its two passes do not depend on the width), finished once per width: `finish` shares the fitter's
+    # `dim` out over the sides' largest eigenvalues, so it is set to each projector's width in turn
     fit_pos = basis_sample(toks, DEFAULT_FIT_ROWS_MID, GradsConfig().projection_seed)
     fitter = projs[widths[0]].fitter()
     t_fit = time.process_time()
@@ -568,7 +574,7 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
                 fitter.update(i, dA, dB)
         fitter.end_pass()
     for w, pr in projs.items():
-        fitter.p = pr
+        fitter.dim = pr.dim
         pr.set_basis(fitter.finish())
     t_fit = time.process_time() - t_fit
     Qp = {w: project_flat(pr, shapes, Qe) for w, pr in projs.items()}
@@ -596,7 +602,7 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
         f["dim"] = projs[w].dim
         fid[str(w)] = f
     meets = [w for w in widths if _meets(fid[str(w)]["reranked"])]
-    return {"spec": {**MID_SPEC, "vocab": info.get("vocab_size"), "parameters": info.get("n_parameters"),
+    return {"spec": {**spec_kw, "vocab": info.get("vocab_size"), "parameters": info.get("n_parameters"),
                      "exact_match": info.get("exact_match"), "pretrain_cpu_seconds": info.get("build_cpu_seconds")},
             "lora": MID_LORA, "sites": len(shapes), "exact_dim": int(sum(x.numel for x in shapes)),
             "rows": len(toks), "queries": len(qitems), "direction": direction,
@@ -608,7 +614,7 @@ def mid_fidelity(work: Path, seed: int, n_rows: int, widths: list[int], rerank: 
 DEFAULT_FIT_ROWS_MID = 512
 
 
-def shape_overhead(reps: int, n_batches: int) -> dict:
+def shape_overhead(reps: int, n_batches: int, shape=None, fit_rows: int = 512) -> dict:
     """`measure_overhead` on the SmolLM-135M shape (`gradian.demo.shapes`, its fixture run: LoRA r 16 on all 7
     projections): plain forward+backward against the exact capture and the default projection (data-aware at
     `AUTO_WIDTH`, fitted on the fixture's rows)."""
@@ -620,7 +626,8 @@ def shape_overhead(reps: int, n_batches: int) -> dict:
     from gradian.setup.session import open_session
     from gradian.store.build import basis_sample
 
-    tmpl = shape_run(SMOLLM_135M, RunSpec())
+    shape = shape or SMOLLM_135M
+    tmpl = shape_run(shape, RunSpec())
     d = Path(tempfile.mkdtemp(prefix="gradian-shape-overhead-"))
     s = open_session(load_config(write_shape_config(d, tmpl)), need_eval=False)
     torch.set_num_threads(1)
@@ -631,7 +638,7 @@ def shape_overhead(reps: int, n_batches: int) -> dict:
     from gradian.setup.batches import collate
 
     fit = proj.fitter()
-    pos = basis_sample(toks, 512, 0)
+    pos = basis_sample(toks, fit_rows, 0)
     for _ in range(fit.passes):
         for b in range(0, len(pos), bs):
             it, _ = exact.iter_site_grads(*collate([toks[i] for i in pos[b : b + bs]], pad))
@@ -641,7 +648,7 @@ def shape_overhead(reps: int, n_batches: int) -> dict:
     proj.set_basis(fit.finish())
     caps = {"exact": exact, f"data-aware_{AUTO_WIDTH}": GradientCapture(s.model, s.sites, proj)}
     ov = measure_overhead(s.model, caps, toks, pad, bs, n_batches, reps)
-    ov["shape"] = {"name": SMOLLM_135M.name, "sites": len(shapes), "exact_dim": sum(x.numel for x in shapes)}
+    ov["shape"] = {"name": shape.name, "sites": len(shapes), "exact_dim": sum(x.numel for x in shapes)}
     return ov
 
 
@@ -649,7 +656,9 @@ def run_new_sections(out: dict, text: list, work: Path, args, sections: set) -> 
     if "mid" in sections:
         t0 = time.time()
         n = args.rows or (1200 if args.quick else 3000)
-        m = mid_fidelity(work, args.seed, n, MID_WIDTHS, 200)
+        # --smoke: the demo's own tiny base (cached) for the mid-size one, one epoch, one width
+        m = (mid_fidelity(work, args.seed, n, [512], 20, spec_kw={}, train={"epochs": 1}) if args.smoke else
+             mid_fidelity(work, args.seed, n, MID_WIDTHS, 200))
         out["mid"] = m
         rows = []
         for w, f in m["fidelity"].items():
@@ -665,7 +674,13 @@ def run_new_sections(out: dict, text: list, work: Path, args, sections: set) -> 
         log(f"mid done in {time.time() - t0:.0f}s")
     if "shape_overhead" in sections:
         t0 = time.time()
-        ov = shape_overhead(3 if args.quick else 5, 4 if args.quick else 8)
+        if args.smoke:  # a toy Llama shape for the SmolLM-135M one (bench/gpu_check.py's, built in seconds, cached)
+            from gradian.demo.shapes import ShapeSpec
+
+            ov = shape_overhead(1, 1, ShapeSpec("smoke-llama", "llama", 128, 384, 4, 4, 2, 8192, True,
+                                                max_position=2048), fit_rows=16)
+        else:
+            ov = shape_overhead(3 if args.quick else 5, 4 if args.quick else 8)
         out["shape_overhead"] = ov
         text.append(table(f"capture overhead on the {ov['shape']['name']} shape ({ov['shape']['sites']} sites, "
                           f"{ov['shape']['exact_dim']} exact dims; {ov['batches']} batches of {ov['batch_size']}, "
@@ -685,7 +700,7 @@ def _meets(rr: dict) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer rows, widths, repetitions (under 3 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer rows, widths, repetitions (about 4 CPU minutes)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-bench"), help="scratch directory")
     ap.add_argument("--rows", type=int, default=None, help="rows scored for fidelity (default 1200 quick / 3000)")
     ap.add_argument("--seed", type=int, default=0)
@@ -695,7 +710,13 @@ def main() -> None:
     ap.add_argument("--_ref", dest="ref", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="run only these new sections: mid (the default projection on the "
                     "trained mid-size model), shape_overhead (capture overhead on the SmolLM-135M shape)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every section at toy sizes on bench/_smoke.py's tiny scenario (64 rows, one width, one "
+                         "repetition): checks the script runs, in seconds; its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        globals().update(SMOKE_LOSS)
+        args.rows = args.rows or 64
     if args.loss_child:
         loss_child(args.loss_child, args.chunk, args.ref)
         return
@@ -727,14 +748,20 @@ def main() -> None:
     quick = args.quick
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    out: dict = {"schema": "gradian.bench.index/1", "quick": quick, "torch": torch.__version__, "threads": 1}
+    out: dict = {"schema": "gradian.bench.index/1", "quick": quick, "smoke": args.smoke, "torch": torch.__version__,
+                 "threads": 1}
     text: list[str] = []
     gdef = GradsConfig()
     default_kind = gdef.projection_kind
 
     # ---- setup: model, adapter, failing items, rows
     t0 = time.time()
-    cfg_path, source = prepare(work, args.seed)
+    if args.smoke:
+        from _smoke import tiny_run
+
+        cfg_path, source = tiny_run() / "gradian.yaml", "bench/_smoke.py tiny scenario"
+    else:
+        cfg_path, source = prepare(work, args.seed)
     cfg = load_config(cfg_path)
     s = open_session(cfg)
     torch.set_num_threads(1)
@@ -778,6 +805,8 @@ def main() -> None:
         widths = [w for w in WIDTHS if w <= E.shape[1]]
         if quick:
             widths = [w for w in widths if w <= 2048]
+        if args.smoke:
+            widths = [512]
         fid: dict = {}
         rows = []
         fit_pos = basis_sample(toks, DEFAULT_FIT_ROWS, gdef.projection_seed)
@@ -827,7 +856,7 @@ def main() -> None:
     out["storage_precision"] = prec
     if "bytes" not in skip:
         dims = {"exact": int(E.shape[1])}
-        for w in WIDTHS:
+        for w in ([512] if args.smoke else WIDTHS):
             if setup["min_projected_dim"] <= w <= E.shape[1]:
                 dims[f"proj{w}"] = Projector(shapes, w, "rademacher").dim
         bpe = bytes_per_example(dims, work)
@@ -856,12 +885,13 @@ def main() -> None:
         if (default_kind, 1024) in projectors:
             caps[f"{default_kind}_1024"] = GradientCapture(s.model, s.sites, projectors[(default_kind, 1024)][0],
                                                            chunk=cfg.grads.loss_chunk_tokens)
-        ov = measure_overhead(s.model, caps, toks, pad, cfg.grads.batch_size, 6 if quick else 16, 5 if quick else 9)
+        n_b, reps = (1, 1) if args.smoke else (6, 5) if quick else (16, 9)
+        ov = measure_overhead(s.model, caps, toks, pad, cfg.grads.batch_size, n_b, reps)
         out["overhead_ratio"] = ov["ratio"]["exact"]
         out["overhead"] = ov
         rows = [["demo (h128, 2 layers, r8)", "plain fwd+bwd (LoRA .grad)", ov["cpu_seconds"]["plain"], 1.0, 1.0]]
         rows += [["", f"hooked {k}", ov["cpu_seconds"][k], ov["ratio"][k], ov["ratio_of_minima"][k]] for k in caps]
-        if not quick:
+        if not quick and not args.smoke:
             big = overhead_larger(512, 4, 16, 8, 128, 4, 5)
             out["overhead_larger"] = big
             out["overhead_ratio_larger"] = big["ratio"]["exact"]
@@ -878,7 +908,9 @@ def main() -> None:
     if "loss" not in skip:
         t0 = time.time()
         chunks = [gdef.loss_chunk_tokens, 256] if quick else [gdef.loss_chunk_tokens, 2048, 512, 256, 128]
-        lm = measure_loss_memory(chunks, work)
+        if args.smoke:
+            chunks = [gdef.loss_chunk_tokens]
+        lm = measure_loss_memory(chunks, work, smoke=args.smoke)
         naive = lm["naive"]["peak_delta_mb"]
         ratios = {k: round(v["peak_delta_mb"] / naive, 4) for k, v in lm.items() if k != "naive"}
         out["loss_peak_ratio"] = ratios[f"chunk_{gdef.loss_chunk_tokens}"]
@@ -896,8 +928,9 @@ def main() -> None:
     # ---- scoring throughput
     if "score" not in skip:
         t0 = time.time()
-        runs = [scoring_throughput(work, 256 if quick else 512, 8192, 32, "float32")]
-        if not quick:
+        runs = [scoring_throughput(work, 1, 512, 4, "float32") if args.smoke else
+                scoring_throughput(work, 256 if quick else 512, 8192, 32, "float32")]
+        if not quick and not args.smoke:
             runs.append(scoring_throughput(work, 512, 8192, 32, "float16"))
         out["scoring_gb_per_s"] = runs[0]["gb_per_s"]
         out["scoring"] = runs

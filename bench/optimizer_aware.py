@@ -2,6 +2,8 @@
 
     .venv/bin/gradian fidelity runs/demo/gradian.yaml              # first: the retrains this compares against
     .venv/bin/python bench/optimizer_aware.py runs/demo/gradian.yaml [--set output=...]
+    .venv/bin/python bench/optimizer_aware.py --smoke   # bench/_smoke.py's tiny scenario, after a fidelity of 1 LOO
+                                                        # row per group and 2 LDS subsets (make bench-smoke)
 
 Removing row z from a Gradian-recipe run changes the (clipped) batch gradient of each step t that holds it by
 dg_t = -c_t g_z / n_t (c_t the clip factor, n_t the batch's supervised tokens). To first order, and without
@@ -90,11 +92,36 @@ def replay_recording(cfg, recipe, sites_order):
             np.stack([cat(x) for x in rec["g"]]), np.asarray(rec["c"]))
 
 
+def smoke_run() -> str:
+    """bench/_smoke.py's tiny run with its report in opt-out/ and a fidelity.json beside it; its config path."""
+    import shutil
+
+    from _smoke import REPORT_DIR, tiny_run
+
+    from gradian import api
+
+    run = tiny_run()
+    out = run / "opt-out"
+    if not (out / "fidelity.json").exists():
+        out.mkdir(exist_ok=True)
+        for f in ("report.json", "scores.npy", "scores_total.npy"):
+            shutil.copy2(run / REPORT_DIR / f, out / f)
+        api.fidelity(api.load_config(run / "gradian.yaml", ["output=opt-out"]), loo=1, subsets=2)
+    return str(run / "gradian.yaml")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
+    ap.add_argument("config", nargs="?")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--smoke", action="store_true",
+                    help="on bench/_smoke.py's tiny scenario (its report copied to opt-out/, `gradian fidelity --loo 1 "
+                         "--subsets 2` run there first): checks the script")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.config, args.overrides = smoke_run(), ["output=opt-out"]
+    if not args.config:
+        ap.error("give a config (or --smoke)")
 
     from peft import LoraConfig, get_peft_model
 
@@ -219,7 +246,7 @@ def main(argv=None) -> int:
     oracle = (fid.get("lds") or {}).get("truth_oracle")
     if oracle is not None:
         print(f"{'truth oracle (fidelity.json)':42s} {'':12s} {'':13s} {oracle:7.3f}")
-    print(json.dumps({"bench": "optimizer_aware", "config": args.config, "steps": T, "epochs": E,
+    print(json.dumps({"bench": "optimizer_aware", "smoke": args.smoke, "config": args.config, "steps": T, "epochs": E,
                       "truth_oracle": oracle, "predictors": res}))
     return 0
 

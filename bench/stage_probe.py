@@ -6,6 +6,15 @@ the OS (`malloc_trim`) and resets the kernel's high-water mark (`/proc/self/clea
 `VmHWM`: the stage's own peak RSS, whatever ran before it. Stages nest (the data-aware fit runs inside the index
 build); a stage's figures include its children. CPU time is `time.process_time`; tokens are the attention-mask
 sums of the batches the stage collated (`setup.batches.collate`) and the tokens `generate` produced.
+
+Run as a script, it probes one `attribute` of a config (in this process) and prints the table, then ONE JSON object
+as the last line:
+
+    .venv/bin/python bench/stage_probe.py RUN/gradian.yaml [--set output=probe-out]
+    .venv/bin/python bench/stage_probe.py --smoke      # bench/_smoke.py's tiny scenario (make bench-smoke)
+
+The smoke also checks that every function `STAGES` names still exists where it says (a renamed stage function
+fails it, naming the stage).
 """
 
 from __future__ import annotations
@@ -204,3 +213,47 @@ class StageProbe:
             row["tokens_per_cpu_s"] = round(st["tokens"] / st["cpu_s"], 1) if st["tokens"] and st["cpu_s"] else None
             out.append(row)
         return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ.setdefault("GRADIAN_THREADS", "1")
+    os.environ.setdefault("GRADIAN_PROGRESS", "0")
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "src"))
+    ap = argparse.ArgumentParser(description="Peak RSS, CPU seconds and tokens per stage of one `gradian attribute`")
+    ap.add_argument("config", nargs="?", help="a run's gradian.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--smoke", action="store_true", help="on bench/_smoke.py's tiny scenario: checks the probe")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        from _smoke import tiny_run
+
+        a.config, a.overrides = str(tiny_run() / "gradian.yaml"), a.overrides + ["output=probe-out"]
+    if not a.config:
+        ap.error("give a config (or --smoke)")
+    import torch
+
+    from gradian import api
+
+    torch.set_num_threads(1)
+    probe = StageProbe().install()
+    try:
+        rep = api.attribute(api.load_config(a.config, a.overrides))
+    finally:
+        probe.uninstall()
+    rows = probe.table()
+    for r in rows:
+        print(f"{r['stage']:18s} calls {r['calls']:3d}  cpu {r['cpu_s']:8.2f} s  peak {r['peak_mb']:8.1f} MB  "
+              f"growth {r['growth_mb']:8.1f} MB  tokens {r['tokens']}")
+    print(json.dumps({"bench": "stage_probe", "config": a.config, "verdict": rep.verdict, "stages": rows,
+                      "process_peak_mb": round(probe.process_peak_kb / 1024, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

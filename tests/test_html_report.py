@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradian.errors import GradianError
-from gradian.report.html import environment as _environment, load_run, render_html, write_html
+from gradian.errors import DataError, GradianError
+from gradian.report.html import environment as _environment, load_run, render_html, write_html, write_run_html
 from gradian.report.sections import split_span
+from gradian.verdict import Verdict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report_sample.json"
 TEMPLATE = Path(__file__).parents[1] / "src" / "gradian" / "report" / "templates" / "report.html.j2"
@@ -67,6 +68,19 @@ def smoke(report: dict) -> dict:
     r["verdict"] = "smoke_test"
     r["verdict_text"] = "Smoke test: evaluation.require_significant is false, so the ranking was computed anyway."
     return r
+
+
+def minimal(verdict: str = "declined", **keys) -> dict:
+    """A report with only the keys gradian.report/1 requires (every optional one absent), then `keys`."""
+    return {"schema": "gradian.report/1", "verdict": verdict, "verdict_text": "", "flags": [], "settings": {},
+            "capability": None, "query": {"formulation": "contrastive", "items": []}, "index": None, "ranking": [],
+            "clusters": [], "spans": [], "scores_summary": {"n": 0}, "timings": {}, **keys}
+
+
+def ranked_row(position: int, text: str, **keys) -> dict:
+    """A ranking row with only its required keys, then `keys`."""
+    return {"rank": 1, "position": position, "id": f"train-{position:06d}-abc", "score": 2.5, "preview": text,
+            "text": text, "base_loss": 1.0, "tuned_loss": 0.5, **keys}
 
 
 def hostile(report: dict) -> dict:
@@ -198,28 +212,31 @@ def test_smoke_test_banner(sample):
 
 
 def test_minimal_and_sparse_reports_render():
-    html = render_html({"schema": "gradian.report/1", "verdict": "declined"})
+    html = render_html(minimal())
     assert "Declined: no attribution" in html
     assert "None: no capability measurement" in html
     assert "no score distribution in this report" in html
     assert "None: no fidelity measurement" in html
-    sparse = {
-        "schema": "gradian.report/1", "verdict": "attributed", "flags": None, "clusters": None, "spans": [],
-        "ranking": [{"rank": 1, "position": 3, "id": "train-000003-abc", "score": 2.5, "preview": "hi",
-                     "top_span": None, "base_loss": None, "tuned_loss": None}],
-        "capability": {"metric": "contains", "base": 0.5, "tuned": 0.1, "ci": [], "items": [{}]},
-        "index": {"projection": None, "fidelity": None}, "scores_summary": {"histogram": {"edges": [], "counts": []}},
-        "timings": {"index": "n/a"}, "settings": {"nested": {}}, "query": {"items": [{"ranking": None}]},
-    }
+    sparse = minimal(
+        "attributed", ranking=[ranked_row(3, "hi")],
+        capability={"metric": "contains", "n": 0, "base": 0.5, "tuned": 0.1, "delta": -0.4, "ci": [-0.5, -0.3],
+                    "confidence": 0.95, "significant": True, "min_detectable_delta": float("inf"), "items": []},
+        index={"key": "k", "examples": 10, "dim": 8, "dtype": "float32", "bytes": 320, "projection": None},
+        scores_summary={"n": 10, "histogram": {"edges": [], "counts": []}}, timings={"index": 1.5},
+        settings={"nested": {}})
     html = render_html(sparse)
-    assert "train-000003-abc" in html and "(preview)" in html
-    assert "none (exact LoRA gradients)" in html
+    assert "train-000003-abc" in html and "none (exact LoRA gradients)" in html
+    assert "no score distribution in this report" in html
 
 
-def test_unknown_verdict_still_renders(sample):
-    r = copy.deepcopy(sample)
-    r["verdict"] = "something_new"
-    assert "Verdict: something_new" in render_html(r)
+@pytest.mark.parametrize("key,value,named", [
+    ("flags", None, "key flags"), ("timings", {"index": "n/a"}, "key timings.index"),
+    ("ranking", [{"rank": 1, "position": 3, "id": "x", "score": 1.0}], "key ranking.0."),
+    ("verdict", "something_new", "key verdict"), ("schema", "gradian.report/2", "key schema")])
+def test_a_report_off_the_schema_is_refused_naming_the_key(key, value, named):
+    # the page reads the typed report: what does not validate is an error naming the key, not a page of dashes
+    with pytest.raises(DataError, match=re.escape(named)):
+        render_html(minimal(**{key: value}))
 
 
 def test_unchanged_items_fold_away(sample):
@@ -236,8 +253,7 @@ def test_all_scores_draw_the_histogram_and_place_missed_planted_rows(sample):
         scores[row["position"]] = row["score"]
     missing = next(p for p in range(r["index"]["examples"]) if p not in {x["position"] for x in r["ranking"]})
     r["truth"]["planted"].append(missing)
-    r["all_scores"] = scores
-    html = render_html(r)
+    html = render_html(r, scores=scores)
     assert 'id="plot-scores"' in html and "no score distribution" not in html
     assert f"position {missing} at rank" in html
 
@@ -281,9 +297,8 @@ def test_split_span_offsets_and_fallbacks():
 
 def test_span_parts_are_escaped_separately():
     text = "a<b>c & <i>d</i>"
-    r = {"verdict": "attributed", "ranking": [
-        {"rank": 1, "position": 0, "id": "r0", "score": 1.0, "text": text,
-         "top_span": {"start": 1, "end": 4, "text": "<b>", "score": 0.5}}]}
+    r = minimal("attributed", ranking=[
+        ranked_row(0, text, top_span={"start": 1, "end": 4, "text": "<b>", "score": 0.5})])
     html = render_html(r)
     assert re.search(r'>a<mark[^>]*>&lt;b&gt;</mark>c &amp; &lt;i&gt;d&lt;/i&gt;<', html)
     assert "a<b>c" not in html and "<i>d</i>" not in html
@@ -356,19 +371,23 @@ def test_load_run_reads_the_run_dir(tmp_path, sample):
     (tmp_path / "report.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(GradianError, match="cannot be read as JSON"):
         load_run(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({**sample, "timings": None}), encoding="utf-8")
+    with pytest.raises(GradianError, match="report.json: key timings"):
+        load_run(tmp_path)
     (tmp_path / "report.json").write_text(json.dumps(sample), encoding="utf-8")
-    report, verify, fidelity = load_run(tmp_path)
-    assert report["verdict"] == "attributed" and verify is None and fidelity is None
+    run = load_run(tmp_path)
+    assert run.report.verdict is Verdict.attributed and run.verify is None and run.fidelity is None
+    assert run.scores is None
 
     (tmp_path / "verify.json").write_text(json.dumps(VERIFY), encoding="utf-8")
     (tmp_path / "fidelity.json").write_text(json.dumps({"lds": 0.41, "loo": {"pairs": 32, "spearman": 0.62}}))
     np.save(tmp_path / "scores.npy", np.linspace(-3, 3, sample["index"]["examples"]).astype(np.float32))
-    report, verify, fidelity = load_run(tmp_path)
-    assert verify["confirmed"] is True and fidelity["lds"] == 0.41
-    assert report["all_scores"].shape == (sample["index"]["examples"],)
-    out = write_html(report, tmp_path / "report.html", verify=verify, fidelity=fidelity)
-    html = out.read_text(encoding="utf-8")
+    run = load_run(tmp_path)
+    assert run.verify["confirmed"] is True and run.fidelity["lds"] == 0.41
+    assert run.scores.shape == (sample["index"]["examples"],)
+    html = write_run_html(tmp_path).read_text(encoding="utf-8")
     assert "from fidelity.json" in html and "loo.spearman" in html and 'id="verify"' in html
+    assert html == render_html(run.report, verify=run.verify, fidelity=run.fidelity, scores=run.scores)
 
 
 def test_no_verify_section_without_verify(sample):

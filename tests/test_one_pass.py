@@ -189,7 +189,7 @@ def test_the_ranking_row_names_the_exchange_the_ranking_took():
     assert t["turn"] == 1 and t["turns"] == 3 and t["text"] == "Osaka." and t["items"] == 1
     assert t["scores"] == pytest.approx([0.5 / 3, 1.29 / 3, 0.1 / 3], abs=1e-6)
     RankedTurn.model_validate(t)
-    assert _turn_note(t) == "ranked by exchange 2 of 3" and _turn_note(None) is None
+    assert _turn_note(RankedTurn.model_validate(t)) == "ranked by exchange 2 of 3" and _turn_note(None) is None
 
 
 def test_attribute_ranks_a_tiny_conversation_set_by_exchange(tmp_path):

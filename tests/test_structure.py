@@ -1,7 +1,7 @@
 """The package's structure, read from its source with `ast` (nothing is imported): no import cycle, no module over
-500 lines, no function over 80 (outside `demo/` and `report/plots.py`), no comparison of a preconditioner, metric or
-query-formulation name outside the module that defines its class, and no test probing a `gradian.*` module that does
-not exist. Each check prints every violation as file:line, also when run as a script:
+500 lines, no function over 80 (outside `demo/` and `report/plots.py`), no comparison of a preconditioner, metric,
+query-formulation or verdict name outside the module that defines its class, and no test probing a `gradian.*`
+module that does not exist. Each check prints every violation as file:line, also when run as a script:
 
     python tests/test_structure.py
 
@@ -42,6 +42,7 @@ VARIANTS = {
     "metric": ({"exact_match", "contains", "loglik", "regex"}, ("gradian.config", "gradian.capability.metrics")),
     "query formulation": ({"contrastive", "classic", "own_words", "margin", "behaviour"},
                           ("gradian.config", "gradian.attribution.queries")),
+    "verdict": ({"attributed", "declined", "smoke_test"}, ("gradian.verdict",)),
 }
 PROBES = {"importorskip", "import_module", "find_spec"}
 
@@ -454,6 +455,8 @@ def test_the_other_scans_see_what_they_guard(tmp_path):
                 if "exact_match" not in info: pass
                 if kind == PreconditionerKind.identity: pass
                 if mode == "supervised": pass
+                if report.verdict != "attributed": pass
+                if report.verdict is Verdict.attributed: pass
             """),
         "gradian/long.py": "def long():\n" + long_body + "\n" * (MAX_MODULE_LINES - MAX_FUNCTION_LINES),
         "gradian/short.py": "def short():\n" + long_body[: -len(f"    x{MAX_FUNCTION_LINES - 1} = 79\n")],
@@ -462,7 +465,8 @@ def test_the_other_scans_see_what_they_guard(tmp_path):
     got = [(v.path.name, v.line, v.what.split(":")[0]) for v in variant_compare_violations(src)]
     assert got == [("caller.py", 3, "compares the preconditioner name(s) 'identity'"),
                    ("caller.py", 4, "compares the metric name(s) 'contains', 'exact_match'"),
-                   ("caller.py", 5, "compares the query formulation name(s) 'own_words'")], got
+                   ("caller.py", 5, "compares the query formulation name(s) 'own_words'"),
+                   ("caller.py", 9, "compares the verdict name(s) 'attributed'")], got
     assert [(v.path.name, v.what) for v in function_size_violations(src)] == [
         ("long.py", f"function long of {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})")]
     assert [(v.path.name, v.what) for v in module_size_violations(src)] == [

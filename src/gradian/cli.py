@@ -287,7 +287,7 @@ def attribute(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = Set
 
                 raise DataError(f"{tfile}: unreadable ground truth ({e}); delete it or fix the JSON") from None
         report = api.attribute(cfg, truth=truth)
-        print_summary(report.to_dict(), out)
+        print_summary(report, out)
         out.print(f"report: {cfg.output_dir / 'report.json'}")
         _settings(run, "attribute")
 
@@ -300,12 +300,11 @@ def report(run_dir: Path):
 
     def body():
         from .errors import DataError
-        from .report.html import load_run, write_html
+        from .report.html import write_run_html
 
         if not (run_dir / "report.json").exists():
             raise DataError(f"{run_dir}: no report.json; run `gradian attribute CONFIG` first")
-        rep, ver, fid = load_run(run_dir)
-        path = write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
+        path = write_run_html(run_dir)
         out.print(f"report: {path}")
 
     _run(body, quiet_libraries=False)

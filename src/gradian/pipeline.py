@@ -28,6 +28,7 @@ from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_index
 from .config import Config, QueryFormulation, dump_config
 from .distributed import current
+from .verdict import Verdict
 from .errors import ModelError
 from .explain.blame import ROW_VERDICT_TEXT, blame, row_losses, row_verdict
 from .explain.clusters import score_clusters
@@ -58,7 +59,7 @@ def attribute(cfg: Config, *, truth: Optional[dict] = None) -> dict:
     queries = query_stage(s, outcome)
     ranked = rank_stage(s, outcome, queries)
     explanation = explain_stage(s, outcome, queries, ranked)
-    verdict = "declined" if ranked.declined else outcome.verdict
+    verdict = Verdict.declined if ranked.declined else outcome.verdict
     s.log.timings["total"] = round(time.time() - t_all, 3)
     s.log.cpu["total"] = round(time.process_time() - c_all, 3)
     a = Attribution(cfg, s.eval_items, tuple(s.log.flags), outcome, queries, ranked, explanation, verdict, truth,
@@ -79,7 +80,7 @@ def capability_stage(s: Session) -> Outcome:
         s.log.flag("evaluation.no_eval_set", "warning", "data.eval is not set", "add an eval set of the capability")
         s.log.flag("attribution.no_capability_target", "warning", "without an eval set the ranking is a smoke test",
                    "add data.eval")
-        return Outcome(None, "smoke_test", "", ())
+        return Outcome(None, Verdict.smoke_test, "", ())
     cap = evaluate(s)
     if current().is_main:
         atomic_write_text(cfg.output_dir / "capability.json", json.dumps(capability_json(cap, s.eval_items), indent=2))
@@ -89,7 +90,7 @@ def capability_stage(s: Session) -> Outcome:
                    f"the {int(cap.confidence * 100)}% interval of the delta [{cap.ci[0]:+.3f}, {cap.ci[1]:+.3f}] "
                    "includes zero", "add eval items or check that the fine-tune changed this capability")
     declined = (not cap.significant and cfg.evaluation.require_significant) or not failing
-    return Outcome(cap, "declined" if declined else "attributed", direction, tuple(failing))
+    return Outcome(cap, Verdict.declined if declined else Verdict.attributed, direction, tuple(failing))
 
 
 def query_stage(s: Session, outcome: Outcome) -> Queries:
@@ -101,10 +102,10 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
         return Queries((), (), formulation)
     qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), formulation,
                          metric=cfg.evaluation.metric, direction=outcome.direction)
-    if outcome.verdict == "attributed" and formulation is QueryFormulation.behaviour:
+    if outcome.verdict is Verdict.attributed and formulation is QueryFormulation.behaviour:
         with s.log.stage("behaviour samples", guard="evaluate"):
             qitems = behaviour_queries(s, qitems, outcome.direction)
-    if outcome.verdict == "attributed" and any(q.own_words for q in qitems):
+    if outcome.verdict is Verdict.attributed and any(q.own_words for q in qitems):
         with s.log.stage("decisive tokens", guard="evaluate"):
             kw = dict(chat=s.chat, max_len=cfg.grads.max_seq_length)
             starts = decisive_starts(s.model, s.tokenizer, s.eval_items, qitems, s.metric,
@@ -115,16 +116,16 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
     if s.metric.scores_likelihood:
         for f in loglik_flags(qitems):
             s.log.flag(*f)
-    texts = tuple(span_text(s, q) if q.own_words and outcome.verdict == "attributed" else ""
+    texts = tuple(span_text(s, q) if q.own_words and outcome.verdict is Verdict.attributed else ""
                   for q in qitems)
     return Queries(tuple(qitems), texts, formulation)
 
 
 def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     """The scores of every row: `scores_for` for an attributed run, each row's gradient norm for a smoke test."""
-    if outcome.verdict == "declined":
+    if outcome.verdict is Verdict.declined:
         return Ranked(None, None, None, None, None, None)
-    if outcome.verdict == "smoke_test":
+    if outcome.verdict is Verdict.smoke_test:
         ix = index_stage(s)
         try:
             flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve

@@ -12,6 +12,7 @@ from .attribution.queries import QueryItem
 from .attribution.stage import Scored
 from .capability.evaluate import CapabilityResult
 from .config import Config
+from .verdict import Verdict
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class Outcome:
     """What the capability stage found."""
 
     result: Optional[CapabilityResult]  # None without an eval set
-    verdict: str  # "attributed" | "declined" | "smoke_test"
+    verdict: Verdict
     direction: str  # "regression" | "improvement" ("" for a smoke test)
     failing: tuple[int, ...]  # the eval items the fine-tune moved
 
@@ -82,7 +83,7 @@ class Attribution:
     queries: Queries
     ranked: Ranked
     explanation: Explanation
-    verdict: str  # the outcome's verdict, or "declined" when the scores could not name a cause
+    verdict: Verdict  # the outcome's verdict, or declined when the scores could not name a cause
     truth: Optional[dict]
     timings: dict
     timings_cpu: dict

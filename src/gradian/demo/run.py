@@ -13,6 +13,7 @@ from rich.console import Console
 from ..config import load_config
 from ..io import atomic_write_text
 from ..report.terminal import print_summary
+from ..verdict import Verdict
 
 # The demo's training recipe: enough for the LoRA to learn the planted facts from one row each.
 DEMO_TRAIN = {"learning_rate": 1e-3, "epochs": 8, "batch_size": 8, "lora_r": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
@@ -85,16 +86,16 @@ def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool =
     t2 = time.time()
     console.print("attributing (gradian attribute)…")
     truth = json.loads((run_dir / "truth.json").read_text())
-    report = api.attribute(cfg, truth=truth).to_dict()
+    report = api.attribute(cfg, truth=truth)
     t3 = time.time()
     print_summary(report, console)
-    m = report.get("metrics") or {}
+    m = report.metrics
     console.print(
-        f"[bold]planted rows:[/] {len(truth['planted'])}; recall@10 = {m.get('recall_at_10', float('nan')):.2f}, "
-        f"AUPRC = {m.get('auprc', float('nan')):.3f}"
+        f"[bold]planted rows:[/] {len(truth['planted'])}; recall@10 = "
+        f"{m.recall_at_10 if m else float('nan'):.2f}, AUPRC = {m.auprc if m else float('nan'):.3f}"
     )
     t4 = t3
-    if verify and report.get("verdict") == "attributed":
+    if verify and report.verdict is Verdict.attributed:
         from ..report.terminal import print_verify
         from ..validate.verify import run_verify
 
@@ -106,4 +107,4 @@ def run_demo(run_dir: Path, console: Optional[Console] = None, *, verify: bool =
                   f"total {t4 - t0:.1f}s")
     console.print(f"report: {run_dir / 'report.json'}  page: {run_dir / 'report.html'}")
     console.print(f"rerun any verb on this run: gradian attribute {run_dir / 'gradian.yaml'}")
-    return report
+    return report.to_dict()

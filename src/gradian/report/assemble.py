@@ -13,6 +13,7 @@ from ..attribution.windows import WINDOW_STRIDE, WINDOW_TOKENS
 from .build import SCHEMA, capability_json, score_summary, verdict_text
 
 from ..results import Attribution
+from ..verdict import Verdict
 
 
 def to_report(a: Attribution) -> dict:
@@ -108,4 +109,4 @@ def windows_entry(scored) -> dict:
 
 def totals_of(a: Attribution) -> Optional[np.ndarray]:
     """scores_total.npy: the whole-row totals of an attributed run (None otherwise)."""
-    return a.explanation.totals if a.verdict == "attributed" else None
+    return a.explanation.totals if a.verdict is Verdict.attributed else None

@@ -3,27 +3,35 @@ explain it (the capability change and its interval, the accused rows and their r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from ..verdict import Verdict
 from .plots import fmt_num
-from .values import as_float, as_int, as_list, as_str, signed
+from .schema import Capability, Report
+from .values import finite, signed
 
 
-def accused(report: Mapping[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AccusedCount:
+    """How many rows the page calls accused, and by which rule."""
+
+    count: int
+    rule: str
+    capped: bool
+
+
+def accused(report: Report) -> AccusedCount:
     """The accused count and rule; a report written before the accused rule accuses its whole ranking."""
-    acc = report.get("accused")
-    if isinstance(acc, Mapping) and as_int(acc.get("count")) is not None:
-        return {"count": as_int(acc.get("count")), "rule": as_str(acc.get("rule")),
-                "capped": bool(acc.get("capped_at_top_k"))}
-    n = len(as_list(report.get("ranking"))) if as_str(report.get("verdict")) == "attributed" else 0
-    return {"count": n, "rule": "", "capped": False}
+    acc = report.accused
+    if acc is not None:
+        return AccusedCount(acc.count, acc.rule, acc.capped_at_top_k)
+    return AccusedCount(len(report.ranking) if report.verdict is Verdict.attributed else 0, "", False)
 
 
 @dataclass(frozen=True)
 class Change:
-    """The capability figures the banner quotes, coerced from the report's `capability`."""
+    """The capability figures the banner quotes, from the report's `capability` (a non-finite figure is absent)."""
 
     metric: str
     conf_txt: str
@@ -36,17 +44,17 @@ class Change:
     mdd: Optional[float]
 
     @classmethod
-    def of(cls, cap: Mapping[str, Any]) -> "Change":
-        conf = as_float(cap.get("confidence"))
-        ci = as_list(cap.get("ci"))
-        base, tuned, delta = as_float(cap.get("base")), as_float(cap.get("tuned")), as_float(cap.get("delta"))
+    def of(cls, cap: Optional[Capability]) -> "Change":
+        if cap is None:
+            return cls("the metric", "confidence", None, None, None, None, None, None, None)
+        conf = finite(cap.confidence)
+        base, tuned, delta = finite(cap.base), finite(cap.tuned), finite(cap.delta)
         if delta is None and base is not None and tuned is not None:
             delta = tuned - base
-        return cls(metric=as_str(cap.get("metric")) or "the metric",
+        return cls(metric=cap.metric or "the metric",
                    conf_txt=f"{conf * 100:.0f}%" if conf is not None else "confidence",
-                   lo=as_float(ci[0]) if len(ci) > 0 else None, hi=as_float(ci[1]) if len(ci) > 1 else None,
-                   base=base, tuned=tuned, delta=delta, n=as_int(cap.get("n")),
-                   mdd=as_float(cap.get("min_detectable_delta")))
+                   lo=finite(cap.ci[0]), hi=finite(cap.ci[1]), base=base, tuned=tuned, delta=delta, n=cap.n,
+                   mdd=finite(cap.min_detectable_delta))
 
     def sentence(self) -> str:
         """"<metric> went from <base> (base) to <tuned> (fine-tuned), ..." or "" without both figures."""
@@ -62,13 +70,13 @@ class Change:
         return s + "."
 
 
-def _attributed(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, list[str]]:
+def _attributed(ch: Change, report: Report) -> tuple[str, str, str, list[str]]:
     details = [ch.sentence()] if ch.sentence() else []
     acc = accused(report)
-    n_acc, n_listed = acc["count"], len(as_list(report.get("ranking")))
-    if n_acc and acc["rule"]:
+    n_acc, n_listed = acc.count, len(report.ranking)
+    if n_acc and acc.rule:
         details.append(f"{n_acc} training row{'' if n_acc == 1 else 's'} stand{'s' if n_acc == 1 else ''} out and "
-                       f"{'is' if n_acc == 1 else 'are'} accused: {acc['rule']}.")
+                       f"{'is' if n_acc == 1 else 'are'} accused: {acc.rule}.")
     elif n_acc:
         details.append(f"The {n_acc} highest-scoring training rows are listed as the accused below.")
     else:
@@ -78,7 +86,7 @@ def _attributed(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, l
             "The capability changed and the training rows that pushed it are ranked below.", details)
 
 
-def _declined(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, list[str]]:
+def _declined(ch: Change, report: Report) -> tuple[str, str, str, list[str]]:
     details = [ch.sentence()] if ch.sentence() else []
     lo, hi = ch.lo, ch.hi
     if lo is not None and hi is not None:
@@ -96,7 +104,7 @@ def _declined(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, lis
             "accused.", details)
 
 
-def _smoke_test(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, list[str]]:
+def _smoke_test(ch: Change, report: Report) -> tuple[str, str, str, list[str]]:
     details = [ch.sentence()] if ch.sentence() else []
     details.append("Treat the ranking as a check that attribution runs, not as a finding.")
     return ("Smoke test: not evidence", "smoke",
@@ -104,22 +112,18 @@ def _smoke_test(ch: Change, report: Mapping[str, Any]) -> tuple[str, str, str, l
             "a change.", details)
 
 
-_BY_VERDICT = {"attributed": _attributed, "declined": _declined, "smoke_test": _smoke_test}
+_BY_VERDICT: dict[Verdict, Callable[[Change, Report], tuple[str, str, str, list[str]]]] = {
+    Verdict.attributed: _attributed, Verdict.declined: _declined, Verdict.smoke_test: _smoke_test}
 
 
-def banner(report: Mapping[str, Any], cap: Mapping[str, Any]) -> dict[str, Any]:
-    """The banner of the report's verdict (an unknown verdict gets a neutral one naming it)."""
-    verdict = as_str(report.get("verdict")).strip() or "unknown"
-    build = _BY_VERDICT.get(verdict)
-    if build is None:
-        title, tone, default, details = (f"Verdict: {verdict}", "unknown",
-                                         "This report has a verdict this version of gradian does not know.", [])
-    else:
-        title, tone, default, details = build(Change.of(cap), report)
+def banner(report: Report) -> dict[str, Any]:
+    """The banner of the report's verdict."""
+    title, tone, default, details = _BY_VERDICT[report.verdict](Change.of(report.capability), report)
     return {
-        "verdict": verdict,
+        "verdict": report.verdict,
+        "declined": report.verdict is Verdict.declined,
         "title": title,
         "tone": tone,
-        "text": as_str(report.get("verdict_text")).strip() or default,
+        "text": report.verdict_text.strip() or default,
         "details": details,
     }

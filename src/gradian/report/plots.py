@@ -10,11 +10,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from markupsafe import Markup, escape
 
-__all__ = ["capability_svg", "histogram_svg", "fmt_num", "histogram_from_scores"]
+from .schema import Capability
+
+__all__ = ["Bins", "RugMark", "capability_svg", "histogram_svg", "fmt_num", "histogram_from_scores"]
+
+
+@dataclass(frozen=True)
+class Bins:
+    """A histogram: len(edges) == len(counts) + 1."""
+
+    edges: list[float]
+    counts: list[float]
+
+
+@dataclass(frozen=True)
+class RugMark:
+    """A ranked row drawn under the histogram's axis."""
+
+    score: Optional[float]
+    rank: int
+    id: str
+    planted: bool = False
 
 
 def fmt_num(x: Any, digits: int = 4) -> str:
@@ -102,26 +123,23 @@ def _text(x: float, y: float, s: Any, cls: str = "", anchor: str = "start", extr
 # --------------------------------------------------------------------------------------------- capability
 
 
-def capability_svg(capability: dict[str, Any] | None, *, svg_id: str = "plot-capability") -> Markup:
+def capability_svg(cap: Capability, *, svg_id: str = "plot-capability") -> Markup:
     """Base vs fine-tuned bars (left) and the paired delta with its interval (right).
 
     The right panel draws zero, the delta as a dot, its confidence interval as a whisker and, when known, the
     minimum detectable delta as dashed lines on both sides of zero, so "the interval covers zero" and "the
     change is smaller than what this eval set can detect" are both visible at a glance.
     """
-    cap = capability or {}
-    metric = str(cap.get("metric") or "metric")
-    base = _finite(cap.get("base"))
-    tuned = _finite(cap.get("tuned"))
-    delta = _finite(cap.get("delta"))
+    metric = cap.metric or "metric"
+    base = _finite(cap.base)
+    tuned = _finite(cap.tuned)
+    delta = _finite(cap.delta)
     if delta is None and base is not None and tuned is not None:
         delta = tuned - base
-    ci = cap.get("ci") or [None, None]
-    lo = _finite(ci[0]) if len(ci) > 0 else None
-    hi = _finite(ci[1]) if len(ci) > 1 else None
-    conf = _finite(cap.get("confidence"))
-    mdd = _finite(cap.get("min_detectable_delta"))
-    significant = bool(cap.get("significant"))
+    lo, hi = _finite(cap.ci[0]), _finite(cap.ci[1])
+    conf = _finite(cap.confidence)
+    mdd = _finite(cap.min_detectable_delta)
+    significant = cap.significant
 
     W, H = 1040, 260
     label = f"{metric}: base {fmt_num(base)}, fine-tuned {fmt_num(tuned)}, delta {fmt_num(delta)}"
@@ -228,7 +246,7 @@ def capability_svg(capability: dict[str, Any] | None, *, svg_id: str = "plot-cap
 # --------------------------------------------------------------------------------------------- histogram
 
 
-def histogram_from_scores(scores: Iterable[float], bins: int = 40) -> dict[str, list[float]] | None:
+def histogram_from_scores(scores: Iterable[float], bins: int = 40) -> Optional[Bins]:
     """Histogram (edges, counts) of the finite scores; ``None`` when there are none."""
     import numpy as np
 
@@ -241,25 +259,25 @@ def histogram_from_scores(scores: Iterable[float], bins: int = 40) -> dict[str, 
         pad = abs(lo) * 0.05 or 0.5
         lo, hi = lo - pad, hi + pad
     counts, edges = np.histogram(arr, bins=bins, range=(lo, hi))
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+    return Bins([float(e) for e in edges], [int(c) for c in counts])
 
 
 def histogram_svg(
-    histogram: dict[str, Sequence[float]] | None,
-    accused: Sequence[dict[str, Any]] = (),
+    histogram: Optional[Bins],
+    accused: Sequence[RugMark] = (),
     *,
     svg_id: str = "plot-scores",
     log_counts: bool = True,
 ) -> Markup:
     """Score distribution over all training rows, with the accused rows as a rug under the axis.
 
-    ``accused`` holds dicts with ``score``, ``rank``, ``id`` and an optional ``planted`` flag. Counts use a
+    ``accused`` holds the ranked rows' marks (score, rank, id, planted). Counts use a
     log scale by default: the accused sit in a thin tail that a linear axis would flatten to nothing.
     """
     W, H = 1040, 300
     left, right, top, bottom = 56.0, W - 24.0, 30.0, H - 92.0
-    edges = list((histogram or {}).get("edges") or [])
-    counts = list((histogram or {}).get("counts") or [])
+    edges = list(histogram.edges) if histogram is not None else []
+    counts = list(histogram.counts) if histogram is not None else []
     ok = len(edges) == len(counts) + 1 and len(counts) > 0
     label = "distribution of attribution scores over all training rows"
     out = [_svg_open(svg_id, W, H, label)]
@@ -270,7 +288,7 @@ def histogram_svg(
 
     e = [float(x) for x in edges]
     c = [max(float(x), 0.0) for x in counts]
-    acc_scores = [s for s in (_finite(a.get("score")) for a in accused) if s is not None]
+    acc_scores = [s for s in (_finite(a.score) for a in accused) if s is not None]
     xmin = min([e[0], *acc_scores])
     xmax = max([e[-1], *acc_scores])
     if xmax <= xmin:
@@ -335,17 +353,17 @@ def histogram_svg(
     # Rug of accused rows: one tick each, planted rows drawn as a ring as well.
     rug_y = bottom + 12
     for a in accused:
-        s = _finite(a.get("score"))
+        s = _finite(a.score)
         if s is None:
             continue
         x = x_of(s)
-        tip = f"rank {a.get('rank', '?')}: {a.get('id', '')} score {fmt_num(s)}"
-        if a.get("planted"):
+        tip = f"rank {a.rank}: {a.id} score {fmt_num(s)}"
+        if a.planted:
             tip += " (planted)"
         out.append(
             f'<g class="rug"><title>{escape(tip)}</title>'
             f'<line class="rug-tick" x1="{_f(x)}" x2="{_f(x)}" y1="{_f(rug_y - 7)}" y2="{_f(rug_y + 7)}"/>'
-            + (f'<circle class="rug-planted" cx="{_f(x)}" cy="{_f(rug_y + 13)}" r="3.5"/>' if a.get("planted")
+            + (f'<circle class="rug-planted" cx="{_f(x)}" cy="{_f(rug_y + 13)}" r="3.5"/>' if a.planted
                else "")
             + "</g>"
         )
@@ -353,7 +371,7 @@ def histogram_svg(
     out.append(f'<line class="rug-tick" x1="{_f(left)}" x2="{_f(left)}" y1="{_f(legend_y - 10)}" '
                f'y2="{_f(legend_y)}"/>')
     out.append(_text(left + 6, legend_y, "accused row", "tick"))
-    if any(a.get("planted") for a in accused):
+    if any(a.planted for a in accused):
         out.append(f'<circle class="rug-planted" cx="{_f(left + 100)}" cy="{_f(legend_y - 4)}" r="3.5"/>')
         out.append(_text(left + 108, legend_y, "planted (ground truth)", "tick"))
     out.append("</svg>")

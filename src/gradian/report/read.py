@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Union
 
 from pydantic import ValidationError
 
@@ -35,15 +35,28 @@ def load_report(run_dir: Path | str) -> Report:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e})") from None
+    return report_from(text, str(path))
+
+
+def report_from(data: Union[str, Mapping[str, Any]], where: str = REPORT_FILE) -> Report:
+    """A report as JSON text or as the dict `json.loads` gives, typed; DataError naming `where` and the first key
+    that is not as gradian.report/1 has it (the readers' one gate: past it every value has its schema type)."""
     try:
-        return Report.model_validate_json(text)
+        if isinstance(data, str):
+            return Report.model_validate_json(data)
+        return Report.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            raise DataError(f"{path}: cannot be read as JSON ({first.get('msg')})") from None
-        key = ".".join(str(x) for x in first.get("loc", ())) or "(top level)"
-        raise DataError(f"{path}: key {key}: {first.get('msg')} ({e.error_count()} problem(s)); not a gradian.report/1 "
-                        "report as this version writes it: rerun `gradian attribute CONFIG`") from None
+        if e.errors()[0].get("type") == "json_invalid":
+            raise DataError(f"{where}: cannot be read as JSON ({e.errors()[0].get('msg')})") from None
+        raise DataError(f"{schema_problem(e, where)}; not a gradian.report/1 report as this version writes it: rerun "
+                        "`gradian attribute CONFIG`") from None
+
+
+def schema_problem(e: ValidationError, where: str) -> str:
+    """'WHERE: key a.b.0: what is wrong (N problem(s))': the first of a validation error's problems."""
+    first = e.errors()[0]
+    key = ".".join(str(x) for x in first.get("loc", ())) or "(top level)"
+    return f"{where}: key {key}: {first.get('msg')} ({e.error_count()} problem(s))"
 
 
 def query_from_entry(entry: QueryEntry, formulation: str) -> QueryItem:

@@ -14,6 +14,10 @@ Rules the models follow:
 * Dump with ``model_dump(by_alias=True, exclude_unset=True)`` to get report.json's keys back (``schema`` is the
   alias of `Report.schema_id`).
 
+Adding a key: write it in `report.assemble`, declare it here on its model with `_absent` (a nested object as its own
+`_Model`, e.g. a list of evidence entries on `Accused`), regenerate docs/report.schema.json; every reader (the page,
+the terminal, verify, fidelity: `report.read`) then gets it typed, and None from a report written before it.
+
 Regenerate docs/report.schema.json with ``python -m gradian.report.schema > docs/report.schema.json``.
 """
 
@@ -26,6 +30,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field
 
 from .ranking_schema import RankingRow
+from ..verdict import Verdict
 from .schema_base import Pair, _absent, _Model
 
 SCHEMA_ID = "gradian.report/1"
@@ -390,8 +395,8 @@ class Report(_Model):
     a ranking of the rows with the largest gradients, but no per-row verdicts, clusters or spans."""
 
     schema_id: Literal["gradian.report/1"] = Field(alias="schema", description="Schema id of this report.")
-    verdict: Literal["attributed", "declined", "smoke_test"] = Field(
-        description="attributed: rows are accused; declined: the capability did not move measurably (or nothing "
+    # not strict: a Python str ("declined", from a dict) validates to the member as a JSON string does
+    verdict: Verdict = Field(strict=False, description="attributed: rows are accused; declined: the capability did not move measurably (or nothing "
                     "failed), no row is accused; smoke_test: no eval set, the ranking shows gradient outliers.")
     verdict_text: str = Field(description="The verdict in plain words.")
     flags: list[Flag] = Field(description="Warnings and infos raised by the checks and the run.")

@@ -1,39 +1,43 @@
-"""What the terminal shows: the attribution summary and ranking, verify's and fidelity's tables (rich)."""
+"""What the terminal shows: the typed report's summary and ranking, verify's and fidelity's tables (rich)."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
+from ..verdict import Verdict
+from .schema import Report
 
-def print_summary(report: dict, console: Console | None = None, rows: int = 10) -> None:
+_VERDICT_STYLE = {Verdict.attributed: "green", Verdict.declined: "yellow", Verdict.smoke_test: "magenta"}
+_LEVEL_STYLE = {"error": "red", "warning": "yellow", "info": "dim"}
+
+
+def print_summary(report: Report, console: Console | None = None, rows: int = 10) -> None:
+    """The typed report's capability, verdict, flags, top rows and accused count."""
     console = console or Console()
-    cap = report.get("capability") or {}
-    if cap:
-        lo, hi = cap["ci"]
+    cap = report.capability
+    if cap is not None:
+        lo, hi = cap.ci
         console.print(
-            f"[bold]capability[/bold] {cap['metric']}: base {cap['base']:.3f} -> tuned {cap['tuned']:.3f}, "
-            f"delta {cap['delta']:+.3f} ({int(cap['confidence'] * 100)}% CI [{lo:+.3f}, {hi:+.3f}], n={cap['n']})"
+            f"[bold]capability[/bold] {cap.metric}: base {cap.base:.3f} -> tuned {cap.tuned:.3f}, "
+            f"delta {cap.delta:+.3f} ({int(cap.confidence * 100)}% CI [{lo:+.3f}, {hi:+.3f}], n={cap.n})"
         )
-    style = {"attributed": "green", "declined": "yellow", "smoke_test": "magenta"}.get(report.get("verdict"), "white")
-    console.print(f"[bold {style}]verdict: {report.get('verdict')}[/] — {report.get('verdict_text', '')}")
-    for f in report.get("flags", []):
-        console.print(f"  [{'red' if f['level'] == 'error' else 'yellow' if f['level'] == 'warning' else 'dim'}]"
-                      f"{f['level']}[/] {f['id']}: {f['message']}")
-    ranking = report.get("ranking") or []
-    if ranking:
-        planted = set((report.get("truth") or {}).get("planted", []))
+    console.print(f"[bold {_VERDICT_STYLE[report.verdict]}]verdict: {report.verdict}[/] — {report.verdict_text}")
+    for f in report.flags:
+        console.print(f"  [{_LEVEL_STYLE[f.level]}]{f.level}[/] {f.id}: {f.message}")
+    if report.ranking:
+        planted = set(report.truth.planted or ()) if report.truth is not None else set()
         t = Table(title="training rows that pushed the model toward the failure", show_lines=False)
         for col in ("rank", "position", "score", "base loss", "tuned loss", "preview"):
             t.add_column(col, justify="right" if col not in ("preview",) else "left", overflow="fold")
-        for r in ranking[:rows]:
-            mark = " [red]*planted*[/]" if r["position"] in planted else ""
-            t.add_row(str(r["rank"]), str(r["position"]), f"{r['score']:.4g}",
-                      _fmt(r.get("base_loss")), _fmt(r.get("tuned_loss")), _escape(r["preview"][:90]) + mark)
+        for r in report.ranking[:rows]:
+            mark = " [red]*planted*[/]" if r.position in planted else ""
+            t.add_row(str(r.rank), str(r.position), f"{r.score:.4g}", _fmt(r.base_loss), _fmt(r.tuned_loss),
+                      _escape(r.preview[:90]) + mark)
         console.print(t)
-    acc = report.get("accused")
-    if acc is not None and report.get("verdict") == "attributed":
-        console.print(f"[bold]accused:[/] {acc['count']} row{'' if acc['count'] == 1 else 's'} ({acc['rule']})")
+    acc = report.accused
+    if acc is not None and report.verdict is Verdict.attributed:
+        console.print(f"[bold]accused:[/] {acc.count} row{'' if acc.count == 1 else 's'} ({acc.rule})")
 
 
 def _fmt(v) -> str:

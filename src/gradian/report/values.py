@@ -1,12 +1,15 @@
-"""Values of the report's JSON as the HTML page shows them: coerced from untrusted input (`as_*`: a wrong type is
-absent, never an error) and formatted (percentages, signed numbers, sizes, durations, nested settings)."""
+"""Values as the HTML page shows them: formatted (percentages, signed numbers, sizes, durations, nested settings),
+a non-finite number shown as absent (`finite`), and verify.json's values, a document without a typed reader,
+coerced (`as_*`: a wrong type is absent, never an error)."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
+
+from pydantic import BaseModel
 
 from .plots import fmt_num
 
@@ -14,12 +17,12 @@ MAX_POSITIONS_SHOWN = 40
 
 
 def pct(x: Any, digits: int = 1) -> str:
-    v = as_float(x)
+    v = finite(x)
     return "–" if v is None else f"{v * 100:.{digits}f}%"
 
 
 def signed(x: Any) -> str:
-    v = as_float(x)
+    v = finite(x)
     if v is None:
         return "–"
     s = fmt_num(v, 3)
@@ -27,7 +30,7 @@ def signed(x: Any) -> str:
 
 
 def human_bytes(x: Any) -> str:
-    v = as_float(x)
+    v = finite(x)
     if v is None:
         return "–"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -38,7 +41,7 @@ def human_bytes(x: Any) -> str:
 
 
 def human_seconds(x: Any) -> str:
-    v = as_float(x)
+    v = finite(x)
     if v is None:
         return "–"
     if v < 1:
@@ -52,7 +55,7 @@ def human_seconds(x: Any) -> str:
     return f"{int(h)} h {int(m)} min"
 
 
-def as_float(x: Any) -> float | None:
+def finite(x: Any) -> float | None:
     if x is None or isinstance(x, bool):
         return None
     try:
@@ -62,15 +65,13 @@ def as_float(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def as_int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
-
-
 def as_str(x: Any) -> str:
     return "" if x is None else str(x)
+
+
+def given(model: Optional[BaseModel]) -> bool:
+    """Whether a typed report value is there and holds at least one key (an empty object reads as absent)."""
+    return model is not None and bool(model.model_dump(exclude_unset=True))
 
 
 def as_dict(x: Any) -> dict[str, Any]:

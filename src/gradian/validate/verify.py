@@ -59,6 +59,7 @@ from ..report.read import REPORT_FILE, load_report
 from ..report.schema import Report
 from ..training.backends import backend_for
 from ..training.recipe import Recipe
+from ..verdict import Verdict
 from .retrain import (RetrainJob, RetrainSettings, Retrained, adapters_equal, measure_adapter, removal_text,
                       retrain_many, retrain_recipe)
 
@@ -76,10 +77,9 @@ def read_report(cfg: Config, verb: str = "verify") -> Report:
         raise VerifyError(f"{path}: no report to {verb}; run `gradian attribute CONFIG` first")
     report = load_report(cfg.output_dir)
     verdict = report.verdict
-    if verdict != "attributed":
-        why = {"declined": "the fine-tune did not move the capability measurably, so no rows were accused",
-               "smoke_test": "there is no eval set, so the ranking is a smoke test, not an accusation"}.get(
-                   verdict, f"the verdict is {verdict!r}")
+    if verdict is not Verdict.attributed:
+        why = {Verdict.declined: "the fine-tune did not move the capability measurably, so no rows were accused",
+               Verdict.smoke_test: "there is no eval set, so the ranking is a smoke test, not an accusation"}[verdict]
         raise VerifyError(f"{path}: verdict is '{verdict}', not 'attributed': {why}; there is nothing to {verb}")
     if not report.ranking:
         raise VerifyError(f"{path}: the report ranks no training rows; rerun `gradian attribute CONFIG`")
@@ -400,7 +400,6 @@ def _remove_retrains(work: Path, names: Sequence[str]) -> None:
 
 
 def rewrite_html(run_dir: Path) -> Optional[Path]:
-    from ..report.html import load_run, write_html
+    from ..report.html import write_run_html
 
-    rep, ver, fid = load_run(run_dir)
-    return write_html(rep, run_dir / "report.html", verify=ver, fidelity=fid)
+    return write_run_html(run_dir)
