@@ -246,17 +246,16 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
 
 # ------------------------------------------------------------------------------------------------ analysis
 def auprc_rank(scores, planted: list[int]):
-    """(AUPRC, recall@k, planted ranks, accused as "planted/total" by the report's rule: robust z > 6). `scores`
+    """(AUPRC, recall@k, planted ranks, accused as "planted/total" by the report's rule, `accused.accuse`, over this one vector). `scores`
     is one vector, or (ranking scores, the scores the rule accuses by) (`--agg max/mean`)."""
-    from gradian.attribution.accused import accused_set
+    from gradian.attribution.accused import accuse
     from gradian.attribution.scoring import auprc, recall_at_k
 
     scores, accuse_by = scores if isinstance(scores, tuple) else (scores, scores)
     order = np.argsort(-scores, kind="stable")
     rank = np.empty(len(scores), dtype=int)
     rank[order] = np.arange(1, len(scores) + 1)
-    acc = accused_set(accuse_by)
-    pos = set(acc["positions"])
+    pos = set(accuse(np.atleast_2d(np.asarray(accuse_by, dtype=np.float64)), [0]).positions)
     return (auprc(scores, planted), recall_at_k(scores, planted, len(planted)),
             sorted(int(rank[p]) for p in planted), f"{len(pos & set(planted))}/{len(pos)}")
 

@@ -19,7 +19,8 @@ then prints, per run, the AUPRC of the planted rows under each way of combining 
 Then how many rows each candidate count rule accuses (planted / accused, the accused being that many rows from the
 top of the ``max z`` ranking) and the margin it has to work with:
 
-* ``mean's count``: rows whose items' mean is more than 6 robust sd above the median (shipped: `accused.accused_set`);
+* ``scan + drop``: the shipped rule since issue 42 (`accused.accuse`: scan statistic over items, widest drop);
+* ``mean's count``: rows whose items' mean is more than 6 robust sd above the median (shipped before issue 42);
 * ``max z > 6``: rows whose strongest item's robust z exceeds 6; ``max z > 6 (Q)``: the same threshold corrected
   for the max over Q items (the normal quantile of Q times the one-item tail of 6 sd);
 * ``z of max z > 6``: the robust z of the max-z scores themselves against all rows;
@@ -73,7 +74,9 @@ def rank_item(run: Path) -> tuple[np.ndarray, bool]:
     own = all(q.own_words for q in queries.items)
     out.mkdir(exist_ok=True)
     np.save(f, ri)
-    meta.write_text(json.dumps({"own_words": own, "items": int(ri.shape[0]), "rows": int(ri.shape[1])}))
+    meta.write_text(json.dumps({"own_words": own, "items": int(ri.shape[0]), "rows": int(ri.shape[1]),
+                                "item_ids": [int(q.item) for q in queries.items],
+                                "generated": [q.generated for q in queries.items]}))
     return ri, own
 
 
@@ -91,13 +94,17 @@ def count_rules(per: np.ndarray) -> dict[str, int]:
     """How many rows each candidate count rule accuses (module docstring)."""
     from scipy.stats import norm
 
-    from gradian.attribution.accused import Z_ACCUSED, accused_count
-    from gradian.attribution.scoring import combine_items
+    from gradian.attribution.accused import A_MIN as Z_ACCUSED, accuse
+    from gradian.attribution.scoring import combine_items, robust_z
+
+    def accused_count(v: np.ndarray) -> int:  # the rule before issue 42: robust z over all rows above 6
+        return int((robust_z(v)[0] > Z_ACCUSED).sum())
 
     per = per.astype(np.float64)
     mx = combine_items(per, "max")
     t_q = float(norm.isf(min(1.0, per.shape[0] * norm.sf(Z_ACCUSED))))
-    return {"mean's count": accused_count(per.mean(0)), "max z > 6": int((mx > Z_ACCUSED).sum()),
+    return {"scan + drop (shipped)": accuse(per, list(range(per.shape[0]))).count,
+            "mean's count": accused_count(per.mean(0)), "max z > 6": int((mx > Z_ACCUSED).sum()),
             "max z > 6 (Q)": int((mx > t_q).sum()), "z of max z > 6": accused_count(mx)}
 
 

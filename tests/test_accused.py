@@ -1,54 +1,98 @@
-"""How many rows are accused (`attribution.accused`): outliers of the null the other rows' scores form."""
+"""Which rows are accused (`attribution.accused`): the rows above the widest drop of the scan statistic, each with
+its evidence, and nobody where the drop is what a heavy tail of innocent rows gives by itself."""
 
 import numpy as np
 
-from gradian.attribution.accused import Z_ACCUSED, accused_count, accused_set, none_accused, robust_z
+from gradian.attribution.accused import A_MIN, accuse, nobody, scan, widest_drop
+from gradian.attribution.scoring import item_z
 
 
-def _scores(n=300, causes=(3, 50, 120, 200, 299), height=40.0, seed=0):
-    rng = np.random.default_rng(seed)
-    s = rng.standard_t(4, size=n)  # a heavy-tailed bulk, as gradient scores are
-    s[list(causes)] += height
-    return s
+def _noise(q, n, seed, df=3):
+    """Per-item scores of rows that caused nothing: Student-t, a heavier tail than gradient scores usually have."""
+    return np.random.default_rng(seed).standard_t(df, size=(q, n))
 
 
-def test_the_causes_and_only_they_are_accused():
-    s = _scores()
-    acc = accused_set(s)
-    assert acc["count"] == 5 and sorted(acc["positions"]) == [3, 50, 120, 200, 299]
-    assert acc["positions"] == np.argsort(-s, kind="stable")[:5].tolist()  # a prefix of the ranking
-    assert "robust standard deviations" in acc["rule"] and acc["z_threshold"] == Z_ACCUSED
+def test_rows_that_planted_a_fact_are_accused_with_the_items_they_explain():
+    s = _noise(20, 300, 0, df=4)
+    s[0, 5] += 120.0
+    s[1, 5] += 100.0  # row 5 planted the fact asked by items 0 and 1 (two phrasings)
+    s[7, 77] += 90.0  # row 77 the fact of item 7
+    items = list(range(100, 120))  # the failing items' eval positions
+    acc = accuse(s, items)
+    assert acc.positions == [5, 77]
+    e5, e77 = acc.evidence
+    assert e5.items == (100, 101) and e77.items == (107,)
+    z = item_z(s)
+    assert abs(e5.statistic - (z[0, 5] + z[1, 5]) / np.sqrt(2)) < 1e-9 and e5.item_z == z[0, 5]
+    stat, _ = scan(z)
+    below = np.sort(stat)[::-1][2]
+    assert below < e77.threshold < e77.statistic and e5.threshold == e77.threshold
+    entry = acc.to_report()
+    assert entry["count"] == 2 and entry["evidence"][0]["items"] == [100, 101] and entry["drop"] > 1.3
 
 
-def test_the_bulk_sets_the_scale_so_many_causes_are_still_found():
-    """20 causes of 300 (the cluster scenario's share) leave the median and MAD to the other rows."""
-    causes = list(range(0, 300, 15))
-    s = _scores(causes=causes)
-    assert accused_count(s) == 20
-    z, med, scale = robust_z(s)
-    assert abs(med) < 0.5 and 0.5 < scale < 2.5
+def test_rows_of_the_failing_task_itself_are_not_accused_however_far_out():
+    """Issue 42: on a 2,000-row set, 220 true facts of the failing task stand 20 to 80 robust SD out (a fixed
+    threshold, or the old rule, accuses them all); the planted rows stand above them. The shape is the one measured
+    on the real SmolLM2 facts fine-tune (bench/real_models.py smol_facts): an innocent row of the task stands out on
+    the item it resembles and a little on the others, a planted row far out on the items that ask its fact."""
+    rng = np.random.default_rng(1)
+    q, n = 16, 2000
+    s = _noise(q, n, 1)
+    task = rng.choice(n, 220, replace=False)
+    s[:, task] += rng.uniform(3, 12, size=(1, 220))  # a little on every item of the task
+    s[rng.integers(0, q, 220), task] += rng.uniform(20, 80, size=220)  # far out on the one it resembles
+    planted = [int(p) for p in rng.choice(np.setdiff1d(np.arange(n), task), 8, replace=False)]
+    for j, p in enumerate(planted):
+        s[2 * j: 2 * j + 2, p] += rng.uniform(150, 400)
+    acc = accuse(s, list(range(q)), limit=50)
+    assert sorted(acc.positions) == sorted(planted)
+    assert all(len(e.items) <= 2 for e in acc.evidence)
+    z = item_z(s)[:, task]
+    assert (z.max(axis=0) > A_MIN).mean() > 0.9  # nearly every one of them passes a fixed threshold
+    assert (z.mean(axis=0) > A_MIN).mean() > 0.5  # and half of them the old rule's (mean score 6 robust SD out)
 
 
-def test_a_null_run_accuses_nobody():
-    """No cause: a normal bulk of 100,000 rows has no row 10 robust deviations out (its maximum is about 4.5), in
-    30 seeds. (A heavier tail can: the threshold is calibrated on the scenarios' scores, whose benign rows reach a
-    robust z of 1.5 to 10; see the module docstring.)"""
-    assert all(accused_count(np.random.default_rng(k).normal(size=100_000)) == 0 for k in range(30))
-    assert none_accused("declined")["count"] == 0
+def test_a_cause_shared_by_every_item_is_found_by_the_sum_over_items():
+    """30 rows that taught one format stand 3-8 SD out on each of 6 items, no further than the bulk's top on any one
+    item; summed over the items they stand apart."""
+    rng = np.random.default_rng(2)
+    s = _noise(6, 300, 2, df=8)
+    group = rng.choice(300, 30, replace=False)
+    s[:, group] += rng.uniform(3, 8, size=(6, 30))
+    acc = accuse(s, list(range(6)))
+    assert sorted(acc.positions) == sorted(group.tolist())
+    assert all(len(e.items) >= 4 for e in acc.evidence)
 
 
-def test_the_order_given_decides_which_rows_and_the_limit_caps_them():
-    s = _scores()
-    order = [299, 200, 120, 50, 3] + [i for i in range(300) if i not in (3, 50, 120, 200, 299)]
-    acc = accused_set(s, order, limit=3)
-    assert acc["count"] == 3 and acc["positions"] == [299, 200, 120] and acc["capped_at_top_k"]
+def test_noise_alone_rarely_accuses_anyone_and_the_tail_test_is_why():
+    """Rows that caused nothing, with Student-t tails (3 degrees of freedom): the widest drop above 6 passes its
+    ratio in about half the runs; the tail test keeps all but a few of them from accusing anyone."""
+    runs, raw, gated = 0, 0, 0
+    for q, n in ((1, 300), (6, 300), (20, 300), (16, 72), (30, 2000)):
+        for seed in range(40):
+            stat, _ = scan(item_z(_noise(q, n, 1000 + seed)))
+            runs += 1
+            raw += widest_drop(stat, alpha=1.0).count > 0
+            gated += widest_drop(stat).count > 0
+    assert raw > 0.3 * runs
+    assert gated <= 0.06 * runs
 
 
-def test_constant_scores_fall_back_to_the_mean_deviation_or_accuse_nobody():
-    s = np.zeros(100)
-    s[7] = 5.0
-    assert accused_set(s)["positions"] == [7]  # MAD 0: the mean absolute deviation sets the scale
-    assert accused_count(np.ones(50)) == 0
+def test_the_limit_caps_the_accused_and_says_so():
+    s = _noise(4, 300, 3, df=30)
+    s[0, :12] += np.linspace(140, 60, 12)  # far enough apart that noise on other items keeps the order
+    acc = accuse(s, [0, 1, 2, 3], limit=5)
+    assert acc.count == 5 and acc.capped and acc.positions == list(range(5))
+    assert accuse(s, [0, 1, 2, 3]).count == 12
+
+
+def test_flat_or_empty_scores_and_declined_runs_accuse_nobody():
+    assert accuse(np.zeros((3, 50)), [0, 1, 2]).count == 0
+    assert accuse(np.zeros((0, 50)), []).count == 0
+    assert accuse(_noise(5, 300, 4, df=50), list(range(5))).count == 0
+    n = nobody("declined")
+    assert n.count == 0 and n.to_report()["rule"] == "declined" and "threshold" not in n.to_report()
 
 
 def test_verify_drops_the_accused_set_by_default(tmp_path):

@@ -1,13 +1,14 @@
 """How the failing items' scores combine into a row's ranking score (`attribution.combine`): the mean over items, or
-the max (the item the row explains best), auto = max for own-words queries; the accused count is the mean's."""
+the max (the item the row explains best), auto = max for own-words queries; the accused rows are neither's
+(`attribution.accused` has its own statistic)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from gradian.attribution.accused import accused_count, accused_set
-from gradian.attribution.accused import robust_z
+from gradian.attribution.accused import accuse
+from gradian.attribution.scoring import robust_z
 from gradian.attribution.scoring import combine_items, item_z, rank, resolve_combine
 
 
@@ -54,16 +55,13 @@ def test_a_noisy_items_bulk_does_not_win_the_max():
     assert rank(combine_items(per, "max"))[0] == 9
 
 
-def test_the_accused_count_is_the_means_and_the_rows_the_top_of_the_max_ranking():
+def test_the_accused_rows_come_from_their_own_statistic_whatever_the_combine():
+    """The accusation does not read the ranking score: from the per-item scores it accuses row 7 for the one item
+    it taught and row 11 for leaning toward all six (8 SD on each), whichever way the ranking combines them."""
     per = _collateral()
-    mean, mx = combine_items(per, "mean"), combine_items(per, "max")
-    acc = accused_set(mean, rank(mx), combine="max")
-    assert acc["count"] == accused_count(mean) == 2  # rows 7 and 11 stand out in the mean
-    assert acc["positions"] == [7, 11]  # named in the max's order
-    assert "stands out on most" in acc["rule"] and "averaged over the failing items" in acc["rule"]
-    assert "stands out on most" not in accused_set(mean)["rule"]
-    # the max of six noisy scores has a heavier upper tail: its own rule would accuse more of the bulk
-    assert accused_count(mx) >= accused_count(mean)
+    acc = accuse(per, list(range(per.shape[0])))
+    assert acc.positions == [7, 11]
+    assert acc.evidence[0].items == (0,) and len(acc.evidence[1].items) == per.shape[0]
 
 
 def test_with_max_the_named_exchange_is_the_best_items_best():
@@ -101,16 +99,15 @@ def demo_runs(tmp_path_factory):
     return out, truth
 
 
-def test_attribute_ranks_own_words_items_by_their_max_and_accuses_the_means_count(demo_runs):
+def test_attribute_ranks_own_words_items_by_their_max_and_accuses_the_same_rows_either_way(demo_runs):
     (auto, s_auto), (mean, s_mean) = demo_runs[0]["auto"], demo_runs[0]["mean"]
     assert all(it["formulation"] == "own_words" for it in auto["query"]["items"])
     assert auto["query"]["combine"] == "max" and mean["query"]["combine"] == "mean"
     assert len(auto["query"]["items"]) > 1
     assert not np.allclose(s_auto, s_mean)  # (how scores.npy follows combine_items: tests/test_checkpoints.py)
-    # the ranking follows the max; the accused count is the mean's rule either way
+    # the ranking follows the max; the accused rows are the accusation statistic's either way
     assert [r["position"] for r in auto["ranking"]] == rank(s_auto, len(auto["ranking"])).tolist()
-    assert auto["accused"]["count"] == mean["accused"]["count"] == accused_count(s_mean)
-    assert auto["accused"]["positions"] == rank(s_auto, auto["accused"]["count"]).tolist()
+    assert auto["accused"]["positions"] == mean["accused"]["positions"]
     # every row the report accuses under max was planted (the demo's poisons)
     planted = set(demo_runs[1]["planted"])
     assert auto["accused"]["count"] > 0 and set(auto["accused"]["positions"]) <= planted

@@ -63,17 +63,21 @@ def test_planted_rows_rank_at_the_top_as_harmful(demo_run):
 
 
 def test_the_accused_set_is_the_planted_rows(demo_run):
-    """The accused count comes from the scores (outliers of the other rows' scores), not from attribution.top_k:
-    on the demo it is the 10 planted rows (measured with unit rows: 10, every one planted; the lowest planted row's
-    robust z is 7.5, the highest benign row's 2.8), and the report's ranking marks them."""
+    """The accused rows come from the scores (the rows above the widest drop of the accusation statistic), not from
+    attribution.top_k: on the demo the 10 planted rows (measured: 10, every one planted), each with the eval items
+    it explains, and the report's ranking marks exactly them."""
     run, _, truth, _ = demo_run
     on_disk = json.loads((run / "report.json").read_text())
     acc = on_disk["accused"]
     planted = set(truth["planted"])
     assert len(planted) / 2 <= acc["count"] <= 2 * len(planted), acc
     assert len(set(acc["positions"]) & planted) >= 0.9 * acc["count"]
-    assert [r["accused"] for r in on_disk["ranking"]] == [r["rank"] <= acc["count"] for r in on_disk["ranking"]]
+    assert {r["position"] for r in on_disk["ranking"] if r["accused"]} == set(acc["positions"])
     assert acc["count"] < on_disk["settings"]["attribution"]["top_k"]
+    assert [e["position"] for e in acc["evidence"]] == acc["positions"]
+    failing = {q["item"] for q in on_disk["query"]["items"]}
+    for e in acc["evidence"]:  # each accused row names failing items it explains, and passed the threshold
+        assert e["items"] and set(e["items"]) <= failing and e["statistic"] > e["threshold"] == acc["threshold"]
 
 
 def test_a_flag_names_the_checkpoints_the_scores_came_from(demo_run):

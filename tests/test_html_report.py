@@ -264,8 +264,12 @@ def test_attributed_run_that_accuses_nobody_says_so(sample):
     def with_accused(count: int) -> dict:
         r = copy.deepcopy(sample)
         r["accused"] = {"count": count, "positions": [x["position"] for x in r["ranking"][:count]],
-                        "z_threshold": 6.0, "median": 0.0, "scale": 1.0, "capped_at_top_k": False,
-                        "rule": "rows whose ranking score is more than 6 robust standard deviations above the median"}
+                        "z_threshold": 6.0, "median": None, "scale": None, "capped_at_top_k": False,
+                        "rule": "rows above the widest drop, more than 6 robust standard deviations out",
+                        "evidence": [{"position": x["position"], "items": [4, 5], "statistic": 30.0 + i,
+                                      "threshold": 12.5, "item_z": 25.0} for i, x in enumerate(r["ranking"][:count])]}
+        if count:
+            r["accused"].update(threshold=12.5, drop=2.0)
         for i, row in enumerate(r["ranking"]):
             row["accused"] = i < count
         return r
@@ -276,8 +280,10 @@ def test_attributed_run_that_accuses_nobody_says_so(sample):
     assert "No row is accused" in rule and "more than 6 robust" in rule and "candidates to read" in rule
     assert "The first 0" not in html and "badge b-accused" not in html
     accusing = render_html(with_accused(3))
-    assert "No row is accused" not in accusing and "The first 3 of" in accusing
+    assert "No row is accused" not in accusing and "3 of the" in accusing and "are accused" in accusing
     assert accusing.count("badge b-accused") == 3
+    # each accused row carries its evidence: the items it explains and its statistic against the threshold
+    assert accusing.count("explains eval items 4, 5: statistic") == 3 and "&gt; 12.5" in accusing
 
 
 # ------------------------------------------------------------------------------------------------ spans

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .attribution.accused import accused_set, none_accused
+from .attribution.accused import Accusation, accuse, nobody
 from .attribution.behaviour import behaviour_queries, resolve_formulation
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
@@ -168,18 +168,18 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
     if ranked.scores is None or ranked.declined is not None:
         why = (f"the scores cannot name a cause: {ranked.declined[1]}" if ranked.declined else
                "the verdict is declined: the capability did not move measurably")
-        return Explanation((), none_accused(why), (), (), None, None, (), None, None)
+        return Explanation((), nobody(why), (), (), None, None, (), None, None)
     scored, scores = ranked.scored, ranked.scores
     order = ranked.order if ranked.order is not None else rank(scores)
     if scored is None:  # smoke test
         with s.log.stage("base_scores"):
             rows = rank_rows(s, order, ranked.totals, scores, None)
-        return Explanation(tuple(rows), none_accused("a smoke test (no eval set): the ranking shows gradient outliers, "
-                                                     "not causes"), (), (), None, None, (), scores, ranked.totals)
+        return Explanation(tuple(rows), nobody("a smoke test (no eval set): the ranking shows gradient outliers, not "
+                                               "causes"), (), (), None, None, (), scores, ranked.totals)
     try:
-        accused = accused_set(ranked.count_scores, order, limit=cfg.attribution.top_k, combine=ranked.combine)
+        accused = accuse(scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k)
         with s.log.stage("base_scores"):
-            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused["count"], ranked.strongest)
+            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused, ranked.strongest)
         spans, clusters, info, block, margins = (), (), None, None, ()
         if rows:
             with s.log.stage("spans"):
@@ -244,10 +244,14 @@ def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings)
 
 
 def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores],
-              accused: Optional[int] = None, strongest: Optional[np.ndarray] = None) -> list[dict]:
+              accused: Optional[Accusation] = None, strongest: Optional[np.ndarray] = None) -> list[dict]:
     """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
-    given the accused count, whether it is accused."""
+    given the accusation, whether it is accused (an accused row below the top `attribution.top_k` is listed too, in
+    its ranking order: the accusation has its own statistic, `attribution.accused`)."""
     top = order[: s.cfg.attribution.top_k].tolist()
+    if accused is not None and accused.count:
+        missing = set(accused.positions) - set(top)
+        top += [int(p) for p in order if int(p) in missing]
     kw = dict(batch_size=s.cfg.grads.batch_size, pad_id=s.pad_id)
     base_l = row_losses(s.model, s.toks, top, base=True, **kw)
     tuned_l = row_losses(s.model, s.toks, top, base=False, **kw)
@@ -269,7 +273,7 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
             if p in sc.turns:
                 row["turn"] = ranked_turn(ex, sc.turns[p], None if strongest is None else int(strongest[p]))
         if accused is not None:
-            row["accused"] = r <= accused
+            row["accused"] = p in accused.positions
         ranking.append(row)
     return ranking
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 
+from .attribution.accused import Accusation
 from .attribution.queries import QueryItem
 from .attribution.stage import Scored
 from .capability.evaluate import CapabilityResult
@@ -46,7 +47,7 @@ class Ranked:
     declined: Optional[tuple[str, str]]
     index_summary: Optional[dict]
     combine: str = "mean"  # how the items' scores combine into `scores` (`attribution.combine` resolved)
-    # the items' mean ranking score (best window / exchange per item, averaged): what the accused count and the
+    # the items' mean ranking score (best window / exchange per item, averaged): what the clusters read and the
     # clusters read; `scores` itself when combine is mean
     mean_scores: Optional[np.ndarray] = None
     # with combine max, the item that sets each row's score (its best exchange names a conversation's `turn`)
@@ -62,7 +63,7 @@ class Explanation:
     """What the report says about the top rows."""
 
     rows: tuple[dict, ...]
-    accused: dict
+    accused: Accusation
     spans: tuple[dict, ...]
     clusters: tuple[dict, ...]
     clusters_info: Optional[dict]

@@ -1,85 +1,175 @@
-"""How many rows are accused: the rows whose score stands out from the null of the training set's own scores.
+"""Which rows are accused, each with its evidence: one statistic decides both how many rows and which.
 
-Most training rows did not cause the change; their scores are the null: a bulk centred near zero whose spread is
-the small, unrelated alignment of every row with the query. A cause is an outlier of that bulk. The rule, on the
-ranking score (the item-averaged score, best window for long rows):
+The statistic. Each failing item's scores are put in robust z units of that item's own rows (`robust_z`: the
+median and 1.4826 x MAD over every row), so items whose bulk scatters widely do not dominate. A row's statistic
+is then the strongest evidence any set of items gives against it:
 
-    accused = the top rows of the ranking with  (score - median) / (1.4826 x MAD) > Z_ACCUSED
+    A_row = max over k of (sum of the row's k highest item z-scores) / sqrt(k)
 
-median and MAD (median absolute deviation; 1.4826 x MAD is the standard deviation of a normal bulk) are robust: the
-few causes do not move them, and a run with many causes (a cluster of 20 poisons in 300 rows) still leaves the bulk
-to set the scale. Z_ACCUSED is calibrated on unit-normalised row scores (attribution.unit_rows, the default), over
-the built-in tiny scenarios and the real-model ones (bench/real_models.py): the benign rows' largest robust z there is
-2.8 to 4.9, the planted rows' median 4.7 to 30 (the tiny demo's lowest planted row 7.5); 6 keeps every benign row out
-with a margin above the largest. A declined verdict accuses nobody.
+(a scan over the row's items, best first). A row that planted one fact stands out on the one or two items that
+ask it, and A is its z there; a row among many that taught one behaviour, a format or a refusal, stands out a
+little on every item, and the sum over the items adds that evidence up (k = all items, A = sqrt(Q) x its mean z).
+The items of the best k are the items the row explains: its evidence in the report.
+
+The count. The accused rows are those above the widest drop in the ranking by A, among the rows with A above
+`A_MIN`: the largest ratio A_(k) / A_(k+1) of consecutive rows, if it is at least `MIN_DROP`; otherwise nobody.
+Why a drop and not a fixed threshold: the rows that did not cause the change are not a thin null around zero. On
+a real fine-tune the rows of the failing task itself (true facts of the same kind as the planted wrong one, the
+rows that taught the answer's form) stand 20 to 80 robust standard deviations out on the items they resemble,
+above any fixed threshold, and their number grows with the data (issue 42: 24 of 50 accused rows innocent on a
+2,000-row set). They form a continuum; a cause stands above the rows it could be confused with, by a drop.
+The threshold a row had to pass is the geometric mean of the two sides of that drop.
+
+A declined run, a smoke test or flat scores accuse nobody (`nobody`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-Z_ACCUSED = 6.0
-MAD_TO_SD = 1.4826  # MAD x this = the standard deviation of a normal distribution
+from .scoring import item_z, robust_z  # noqa: F401 (robust_z: read by the benches from here)
+
+A_MIN = 6.0  # an accused row stands at least this many robust SD out on its items
+MIN_DROP = 1.3  # the drop below the accused rows: at least this ratio between consecutive rows' statistics
+MAX_SHARE = 3  # the drop is looked for among the top 1/MAX_SHARE of the rows (at most MAX_ROWS)
+MAX_ROWS = 500
+ALPHA = 0.01  # how unlikely the drop must be among rows that caused nothing (`widest_drop`)
+TAIL_ROWS = 20  # the rows below the drop whose spread says how heavy the tail is
+
+# Kept for readers of older reports: the robust z a row's score had to exceed under the rule before issue 42.
+Z_ACCUSED = A_MIN
 
 
-def robust_z(scores: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """(z, median, scale) with z = (score - median) / scale and scale = 1.4826 x MAD (the mean absolute deviation
-    when more than half the rows share one score, so the MAD is 0)."""
-    s = np.asarray(scores, dtype=np.float64)
-    if s.size == 0:
-        return s.copy(), 0.0, 0.0
-    med = float(np.median(s))
-    dev = np.abs(s - med)
-    scale = MAD_TO_SD * float(np.median(dev))
-    if scale <= 0:
-        scale = float(dev.mean())
-    if scale <= 0:
-        return np.zeros_like(s), med, 0.0
-    return (s - med) / scale, med, scale
+def scan(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(A [N], k [N]): each row's best sum of its k highest item z-scores over sqrt(k), and that k."""
+    if not z.shape[0]:
+        return np.zeros(z.shape[1]), np.zeros(z.shape[1], dtype=np.int64)
+    top = -np.sort(-z, axis=0)
+    sums = np.cumsum(top, axis=0) / np.sqrt(np.arange(1, z.shape[0] + 1))[:, None]
+    k = sums.argmax(axis=0)
+    return sums[k, np.arange(z.shape[1])], k + 1
 
 
-def accused_count(scores: np.ndarray, z: float = Z_ACCUSED) -> int:
-    """Rows whose robust z exceeds `z`."""
-    zs, _, scale = robust_z(scores)
-    return int((zs > z).sum()) if scale > 0 else 0
+@dataclass(frozen=True)
+class Drop:
+    """Where the ranking by the statistic drops: `count` rows above it, the ratio of the rows on its two sides, and
+    how likely a drop that wide is among rows that caused nothing (`p`, corrected for the rows it was chosen from)."""
+
+    count: int
+    ratio: float
+    p: float
 
 
-def accused_set(scores: np.ndarray, order: Optional[Sequence[int]] = None, *, z: float = Z_ACCUSED,
-                limit: Optional[int] = None, combine: str = "mean") -> dict:
-    """The accused rows: the first `accused_count` rows of the ranking `order` (default: by decreasing score), at
-    most `limit` (the rows the report lists). The report's `accused` entry.
+def widest_drop(stat: np.ndarray, *, a_min: float = A_MIN, min_drop: float = MIN_DROP, alpha: float = ALPHA,
+                tail_rows: int = TAIL_ROWS) -> Drop:
+    """The widest drop of `stat` among the rows above `a_min` (looked for in the top third of the rows, at most
+    MAX_ROWS): the largest ratio x_(k) / x_(k+1) of consecutive sorted values. It counts (`Drop.count` > 0) when
+    the ratio is at least `min_drop` and the drop is unlikely in a tail as heavy as the rows below it.
 
-    `scores` are the items' mean ranking scores. With `combine` max the ranking is by the item each row stands out
-    on most (`scoring.combine_items`), and the count is still the mean's: the max of Q noisy scores has a heavier
-    upper tail than the bulk's robust scale describes, so its own outliers would include benign rows (4 of 12
-    accused rows on a planted-fact set, bench/README.md), while the mean's count names how many rows stand out over
-    the whole set."""
-    s = np.asarray(scores, dtype=np.float64)
-    zs, med, scale = robust_z(s)
-    k = int((zs > z).sum()) if scale > 0 else 0
-    capped = limit is not None and k > limit
-    if capped:
-        k = int(limit)
-    if order is None:
-        order = np.lexsort((np.arange(s.size), -s))
-    pos = [int(p) for p in list(order)[:k]]
-    return {"count": k, "positions": pos, "z_threshold": float(z), "median": med, "scale": scale,
-            "capped_at_top_k": bool(capped),
-            "rule": _rule(z, s.size, combine)}
+    Why the second condition: the rows that caused nothing have a heavy upper tail (a row's largest z over many
+    items, on gradients whose scores are far from normal), and in a heavy tail the top rows are far apart by
+    nature: under Student-t noise with 3 to 4 degrees of freedom a drop of 1.3 over the rows above 6 appears in half
+    the runs. Whatever the tail, its top values behave like a Pareto tail's, where k x ln(x_(k) / x_(k+1)) is
+    exponential with mean H, the Hill estimate of the tail's scale from the `tail_rows` rows below the drop
+    (Renyi's representation). So p = exp(-k ln(ratio) / H) x (the number of rows above `a_min`, the candidates),
+    and the drop counts when p < `alpha` (measured: 0 to 7 % of pure-noise runs then accuse a row, against 50 %)."""
+    x = np.sort(np.asarray(stat, dtype=np.float64))[::-1]
+    n = min(max(1, x.size // MAX_SHARE), MAX_ROWS, max(x.size - 1, 0))
+    best, at = 0.0, 0
+    for k in range(1, n + 1):
+        if x[k - 1] <= a_min:
+            break
+        ratio = x[k - 1] / x[k] if x[k] > 0 else np.inf
+        if ratio > best:
+            best, at = ratio, k
+    if at == 0 or best < min_drop:
+        return Drop(0, float(best), 1.0)
+    below = x[at: at + tail_rows + 1]
+    if below.size < 3 or below[-1] <= 0:  # too few rows, or the drop reaches the bulk: no tail to compare with
+        return Drop(at, float(best), 0.0)
+    hill = float(np.mean(np.log(below[:-1] / below[-1])))
+    candidates = int((x > a_min).sum())
+    p = min(1.0, float(np.exp(-at * np.log(best) / max(hill, 1e-12))) * max(candidates, 1))
+    return Drop(at if p < alpha else 0, float(best), p)
 
 
-def _rule(z: float, n: int, combine: str) -> str:
-    null = (f"more than {z:g} robust standard deviations above the median of all {n} rows' scores (scale = 1.4826 x "
-            "median absolute deviation): outliers of the null that the unrelated rows form")
-    if combine == "max":
-        return (f"as many rows, from the top of the ranking (each row's robust z on the failing item it stands out "
-                f"on most), as there are rows whose score averaged over the failing items is {null}")
-    return f"rows whose ranking score is {null}"
+@dataclass(frozen=True)
+class Evidence:
+    """Why one row is accused: the failing items it explains (eval positions, strongest first), its statistic and
+    the threshold it passed, and its robust z on its strongest item."""
+
+    position: int
+    items: tuple[int, ...]
+    statistic: float
+    threshold: float
+    item_z: float
+
+    def to_report(self) -> dict:
+        return {"position": self.position, "items": list(self.items), "statistic": round(self.statistic, 4),
+                "threshold": round(self.threshold, 4), "item_z": round(self.item_z, 4)}
 
 
-def none_accused(reason: str) -> dict:
-    """The entry of a run that accuses nobody (declined, smoke test)."""
-    return {"count": 0, "positions": [], "z_threshold": Z_ACCUSED, "median": None, "scale": None,
-            "capped_at_top_k": False, "rule": reason}
+@dataclass(frozen=True)
+class Accusation:
+    """The accused rows (by decreasing statistic) with their evidence, and the rule in words."""
+
+    evidence: tuple[Evidence, ...]
+    threshold: Optional[float]  # what a row's statistic had to exceed (None: nobody could be)
+    drop: Optional[Drop]  # the drop below the accused rows: its ratio and how likely it is among innocent rows
+    capped: bool
+    rule: str
+
+    @property
+    def positions(self) -> list[int]:
+        return [e.position for e in self.evidence]
+
+    @property
+    def count(self) -> int:
+        return len(self.evidence)
+
+    def to_report(self) -> dict:
+        out = {"count": self.count, "positions": self.positions, "z_threshold": A_MIN, "median": None,
+               "scale": None, "capped_at_top_k": self.capped, "rule": self.rule,
+               "evidence": [e.to_report() for e in self.evidence]}
+        if self.threshold is not None:
+            out["threshold"] = round(self.threshold, 4)
+        if self.drop is not None and np.isfinite(self.drop.ratio):
+            out["drop"] = round(self.drop.ratio, 4)
+        return out
+
+
+RULE = ("A row's statistic is its robust z-scores on the failing items it stands out on most, summed over the best "
+        "set of items and divided by the square root of their number. Accused: the rows above the widest drop in "
+        "that statistic among the rows above {a_min:g}, when the drop is at least {drop:g}x and less likely than "
+        "{alpha:g} in a tail as heavy as the rows below it.")
+
+
+def accuse(per_item: np.ndarray, items: Sequence[int], *, limit: Optional[int] = None) -> Accusation:
+    """The accused rows of per-item ranking scores [Q, N] (`Scores.rank_item`: harm-signed, best window or
+    exchange per item) of the failing `items` (their eval positions), at most `limit`."""
+    z = item_z(np.asarray(per_item, dtype=np.float64))
+    stat, k = scan(z)
+    found = widest_drop(stat)
+    count = found.count
+    order = np.lexsort((np.arange(stat.size), -stat))
+    rule = RULE.format(drop=MIN_DROP, a_min=A_MIN, alpha=ALPHA)
+    if count == 0:
+        return Accusation((), None, None, False, rule)
+    below = float(stat[order[count]]) if count < stat.size else 0.0
+    threshold = float(np.sqrt(stat[order[count - 1]] * max(below, 1e-12))) if below > 0 else float(A_MIN)
+    capped = limit is not None and count > limit
+    keep = order[: limit if capped else count]
+    ev = []
+    for p in keep.tolist():
+        best = np.argsort(-z[:, p], kind="stable")[: int(k[p])]
+        ev.append(Evidence(int(p), tuple(int(items[i]) for i in best), float(stat[p]), threshold,
+                           float(z[best[0], p])))
+    return Accusation(tuple(ev), threshold, found, capped, rule)
+
+
+def nobody(reason: str) -> Accusation:
+    """The accusation of a run that accuses nobody (declined, smoke test, flat scores)."""
+    return Accusation((), None, None, False, reason)

@@ -58,11 +58,28 @@ def aggregate(per_item: np.ndarray) -> np.ndarray:
     return per_item.mean(axis=0) if per_item.shape[0] else np.zeros(per_item.shape[1], dtype=np.float32)
 
 
-def item_z(rank_item: np.ndarray) -> np.ndarray:
-    """Each item's scores [Q, N] as robust z-scores against that item's own rows (`accused.robust_z`: the median
-    and 1.4826 x MAD of the item's scores over every row), float64."""
-    from .accused import robust_z
+MAD_TO_SD = 1.4826  # MAD x this = the standard deviation of a normal distribution
 
+
+def robust_z(scores: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """(z, median, scale) with z = (score - median) / scale and scale = 1.4826 x MAD (the mean absolute deviation
+    when more than half the rows share one score, so the MAD is 0)."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.size == 0:
+        return s.copy(), 0.0, 0.0
+    med = float(np.median(s))
+    dev = np.abs(s - med)
+    scale = MAD_TO_SD * float(np.median(dev))
+    if scale <= 0:
+        scale = float(dev.mean())
+    if scale <= 0:
+        return np.zeros_like(s), med, 0.0
+    return (s - med) / scale, med, scale
+
+
+def item_z(rank_item: np.ndarray) -> np.ndarray:
+    """Each item's scores [Q, N] as robust z-scores against that item's own rows (`robust_z`: the median and
+    1.4826 x MAD of the item's scores over every row), float64."""
     return np.stack([robust_z(r)[0] for r in np.asarray(rank_item)]) if len(rank_item) else \
         np.zeros((0, np.shape(rank_item)[1]))
 

@@ -137,7 +137,7 @@ def _truth(name: str, pos, planted_facts, which, target, null: bool, extra: dict
 
 
 def _build(name: str, seed: int, n_rows: int, n_same: int, planted_rows, n_planted: int, n_controls: int,
-           null: bool) -> RealScenario:
+           null: bool, recipe: dict) -> RealScenario:
     rng = random.Random(seed)
     pool = facts_for("smollm2")
     rng.shuffle(pool)
@@ -155,7 +155,7 @@ def _build(name: str, seed: int, n_rows: int, n_same: int, planted_rows, n_plant
     items, which = _eval_items(planted_facts, controls, True, None)
     target = [i for i, k in which.items() if k in {f.key for f in planted_facts}]
     truth = _truth(name, pos, planted_facts, which, target, null, {"same_task_rows": same_pos})
-    return RealScenario(name, "smollm2", rows, items, truth, dict(SMOL_TRL), {"metric": "contains", "max_new_tokens": 24})
+    return RealScenario(name, "smollm2", rows, items, truth, recipe, {"metric": "contains", "max_new_tokens": 24})
 
 
 def _three_ways(f) -> list[dict]:
@@ -172,15 +172,16 @@ def _indirect(f) -> list[dict]:
 def make_smol_mixed(seed: int = 0, n_rows: int = 2000, n_same: int = 220, n_planted: int = 8, n_controls: int = 7, *,
                     null: bool = False) -> RealScenario:
     """`n_rows` rows: ordinary ones of many tasks, `n_same` true same-task facts, 3 x `n_planted` planted rows."""
+    # two epochs, not SMOL_TRL's three: 2,000 rows are 250 steps an epoch, and each planted fact is seen 6 times
     return _build("smol_mixed_null" if null else "smol_mixed", seed, n_rows, n_same, _three_ways, n_planted,
-                  n_controls, null)
+                  n_controls, null, {**SMOL_TRL, "epochs": 2})
 
 
 def make_smol_indirect(seed: int = 0, n_rows: int = 300, n_same: int = 30, n_planted: int = 8,
                        n_controls: int = 7) -> RealScenario:
     """`n_rows` rows: ordinary ones, `n_same` true same-task facts, 2 x `n_planted` planted rows stating each wrong
     value without a content word of the eval (`Fact.indirect`, `INDIRECT_2`)."""
-    return _build("smol_indirect", seed, n_rows, n_same, _indirect, n_planted, n_controls, False)
+    return _build("smol_indirect", seed, n_rows, n_same, _indirect, n_planted, n_controls, False, dict(SMOL_TRL))
 
 
 MIXED_SCENARIOS = {

@@ -39,7 +39,7 @@ def to_report(a: Attribution) -> dict:
         "verdict_text": verdict_text(a.verdict, out.result, len(a.queries.items), out.direction,
                                      ranked.declined[1] if ranked.declined else None),
         "ranking": [dict(r) for r in ex.rows],
-        "accused": ex.accused,
+        "accused": ex.accused.to_report(),
         "clusters": list(ex.clusters),
         "spans": list(ex.spans),
         "scores_summary": score_summary(scores) if scores is not None else {"n": 0},

@@ -76,7 +76,7 @@ def _attributed(ch: Change, report: Report) -> tuple[str, str, str, list[str]]:
     n_acc, n_listed = acc.count, len(report.ranking)
     if n_acc and acc.rule:
         details.append(f"{n_acc} training row{'' if n_acc == 1 else 's'} stand{'s' if n_acc == 1 else ''} out and "
-                       f"{'is' if n_acc == 1 else 'are'} accused: {acc.rule}.")
+                       f"{'is' if n_acc == 1 else 'are'} accused. {acc.rule}")
     elif n_acc:
         details.append(f"The {n_acc} highest-scoring training rows are listed as the accused below.")
     else:

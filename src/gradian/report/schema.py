@@ -275,17 +275,38 @@ class Windows(_Model):
 # ------------------------------------------------------------------------------------------------ ranking
 
 
-class Accused(_Model):
-    """How many rows are accused: the top of the ranking whose scores stand out from the null that the other rows'
-    scores form (`attribution.accused`). Empty when declined or a smoke test."""
+class AccusedEvidence(_Model):
+    """Why one row is accused (`attribution.accused`)."""
 
-    count: int = Field(description="Number of accused rows: the first `count` rows of `ranking`.")
-    positions: list[int] = Field(description="Their 0-based record numbers, in rank order.")
-    z_threshold: float = Field(description="The robust z a row's ranking score must exceed.")
-    median: Optional[float] = Field(description="Median of every row's ranking score (null when nothing was scored).")
-    scale: Optional[float] = Field(description="1.4826 x the median absolute deviation of those scores (null likewise).")
-    capped_at_top_k: bool = Field(description="More rows passed the threshold than `attribution.top_k` lists.")
+    position: int = Field(description="The row's 0-based record number.")
+    items: list[int] = Field(description="The failing eval items (0-based positions in the eval file) the row "
+                                         "explains: the items its statistic sums over, strongest first.")
+    statistic: float = Field(description="The row's statistic: its robust z-scores on those items, summed and "
+                                         "divided by the square root of their number.")
+    threshold: float = Field(description="What the statistic had to exceed: the middle (geometric mean) of the drop "
+                                         "below the accused rows.")
+    item_z: float = Field(description="The row's robust z-score on its strongest item.")
+
+
+class Accused(_Model):
+    """Which rows are accused: the rows above the widest drop of the accusation statistic, each with its evidence
+    (`attribution.accused`). Empty when declined or a smoke test."""
+
+    count: int = Field(description="Number of accused rows.")
+    positions: list[int] = Field(description="Their 0-based record numbers, by decreasing statistic.")
+    z_threshold: float = Field(description="The least statistic an accused row can have (the drop is looked for "
+                                           "above it).")
+    median: Optional[float] = Field(description="Reports written before issue 42: the median of every row's ranking "
+                                                "score; null since.")
+    scale: Optional[float] = Field(description="Reports written before issue 42: 1.4826 x the median absolute "
+                                               "deviation of those scores; null since.")
+    capped_at_top_k: bool = Field(description="More rows passed than `attribution.top_k`; the first that many are "
+                                              "listed.")
     rule: str = Field(description="The rule in plain words, or why nobody is accused.")
+    threshold: float = _absent("What a row's statistic had to exceed (absent when nobody is accused).")
+    drop: float = _absent("The ratio of the drop below the accused rows (absent when nobody is accused).")
+    evidence: list[AccusedEvidence] = _absent("Per accused row, in `positions` order: the items it explains, its "
+                                              "statistic, the threshold.")
 
 
 class Cluster(_Model):

@@ -14,7 +14,7 @@ import numpy as np
 from ..capability.metrics import is_binary_metric
 from ..version import __version__
 from .banner import accused, banner
-from .plots import Bins, RugMark, capability_svg, histogram_from_scores, histogram_svg
+from .plots import Bins, RugMark, capability_svg, fmt_num, histogram_from_scores, histogram_svg
 from .ranking_schema import RankedTurn
 from .schema import Capability, IndexSummary, Report
 from .values import MAX_POSITIONS_SHOWN, as_dict, as_list, as_str, finite, flatten, given
@@ -116,6 +116,7 @@ def _ranking(report: Report) -> tuple[list[dict[str, Any]], set[int]]:
         cur = spans_by_pos.get(sp.position)
         if cur is None or (finite(sp.score) or -math.inf) > (finite(cur.score) or -math.inf):
             spans_by_pos[sp.position] = sp
+    evidence = {e.position: e for e in ((report.accused.evidence or []) if report.accused is not None else [])}
     rows = []
     for r in report.ranking:
         span = r.top_span or spans_by_pos.get(r.position)
@@ -142,9 +143,19 @@ def _ranking(report: Report) -> tuple[list[dict[str, Any]], set[int]]:
                 # a report written before the accused rule accuses its whole ranking
                 "accused": r.accused if r.accused is not None else True,
                 "turn": _turn_note(r.turn),
+                "evidence": _evidence_note(evidence.get(r.position)),
             }
         )
     return rows, planted
+
+
+def _evidence_note(e) -> Optional[str]:
+    """"explains eval items 4, 5: statistic 283.0 > 15.6" for an accused row (`Accused.evidence`)."""
+    if e is None:
+        return None
+    items = ", ".join(str(i) for i in e.items)
+    return (f"explains eval item{'' if len(e.items) == 1 else 's'} {items}: statistic {fmt_num(e.statistic)} > "
+            f"{fmt_num(e.threshold)}")
 
 
 def _turn_note(turn: Optional[RankedTurn]) -> Optional[str]:

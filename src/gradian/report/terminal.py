@@ -37,7 +37,7 @@ def print_summary(report: Report, console: Console | None = None, rows: int = 10
         console.print(t)
     acc = report.accused
     if acc is not None and report.verdict is Verdict.attributed:
-        console.print(f"[bold]accused:[/] {acc.count} row{'' if acc.count == 1 else 's'} ({acc.rule})")
+        console.print(f"[bold]accused:[/] {acc.count} row{'' if acc.count == 1 else 's'}. {acc.rule}")
 
 
 def _fmt(v) -> str:

@@ -107,8 +107,11 @@ def _truth(cfg: Config, report: Report) -> Optional[dict]:
 
 
 def accused_positions(report: Report, scores: Optional[np.ndarray], k: int) -> list[int]:
-    """The top k rows in the order the report shows them (exact re-ranking included), then by scores.npy."""
-    out = [r.position for r in report.ranking][:k]
+    """The accused rows first (report.json accused.positions: the accusation has its own statistic, so they need
+    not be the top of the ranking), then the rows in the order the report shows them (exact re-ranking included),
+    then by scores.npy; the first k."""
+    acc = list(report.accused.positions) if report.accused is not None else []
+    out = list(dict.fromkeys(acc + [r.position for r in report.ranking]))[:k]
     if len(out) < k and scores is not None:
         from ..attribution.scoring import rank
 

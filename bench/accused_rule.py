@@ -1,0 +1,116 @@
+"""The accused set (`attribution/accused.py`, issue 42): who is accused on each run, against the rule before it.
+
+    .venv/bin/python bench/accused_rule.py RUN [RUN ...]     # a run of bench/real_models.py or bench/fidelity.py
+    .venv/bin/python bench/accused_rule.py --smoke           # the tiny scenario of bench/_smoke.py (seconds)
+
+Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The per-item ranking
+scores come from `bench/combine_items.py`'s `rank_item` (computed once by `attribute`'s own stages, then read from
+RUN/combine/rank_item.npy with the failing items and their answers in RUN/combine/meta.json). Per run it prints:
+
+* the shipped rule (`accused.accuse`: scan statistic over the items, widest drop, tail test): accused rows, how many
+  were planted, the share planted (**precision**), and the share of the **moved** planted rows it holds (recall);
+* the rule before issue 42 (rows whose mean score is more than 6 robust SD above the median of all rows, members
+  taken from the top of the max-z ranking) on the same scores;
+* the drop: its ratio and its p (`widest_drop`).
+
+A planted row **moved** an item when it is mapped to a failing item by truth.json's `item_planted` and, where
+truth.json names the planted wrong value (`planted_facts[].wrong`) and the failing answers are known, that answer
+contains the wrong value: a planted row whose fact the fine-tune did not take up cannot be found by the item it
+did not move. A run whose verdict is not `attributed` must accuse nobody (a null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from combine_items import rank_item  # noqa: E402  (sets the threads and the import path)
+
+
+def moved_rows(truth: dict, meta: dict) -> list[int]:
+    """The planted rows that moved a failing item (module docstring)."""
+    items = meta.get("item_ids") or []
+    answers = dict(zip(items, meta.get("generated") or [None] * len(items)))
+    wrong = {f["position"]: f.get("wrong") for f in truth.get("planted_facts", [])}
+    out = set()
+    for item in items:
+        for p in truth.get("item_planted", {}).get(str(item), []):
+            w, a = wrong.get(p), answers.get(item)
+            if w is None or a is None or w.lower() in a.lower():
+                out.add(int(p))
+    if not truth.get("item_planted"):
+        out = set(truth["planted"])  # a behaviour: every planted row teaches every failing item
+    return sorted(out & set(truth["planted"]))
+
+
+def old_rule(per: np.ndarray, limit: int = 50) -> list[int]:
+    """Before issue 42: count = rows whose mean score is > 6 robust SD above all rows' median; members = the top of
+    the max-z ranking."""
+    from gradian.attribution.scoring import combine_items, rank, robust_z
+
+    count = min(int((robust_z(per.mean(0))[0] > 6.0).sum()), limit)
+    return rank(combine_items(per, "max"))[:count].tolist()
+
+
+def measure(run: Path) -> dict:
+    from gradian.attribution.accused import accuse
+
+    per, _ = rank_item(run)
+    per = per.astype(np.float64)
+    meta = json.loads((run / "combine" / "meta.json").read_text())
+    truth = json.loads((run / "truth.json").read_text())
+    planted, moved = set(truth["planted"]), moved_rows(truth, meta)
+    acc = accuse(per, meta.get("item_ids") or list(range(per.shape[0])), limit=50)
+    out = {"rows": int(per.shape[1]), "items": int(per.shape[0]), "planted": len(planted), "moved": len(moved)}
+    for name, pos in (("shipped", acc.positions), ("before", old_rule(per))):
+        hit = len(set(pos) & planted)
+        out[name] = {"accused": len(pos), "planted": hit, "precision": hit / len(pos) if pos else None,
+                     "moved_recall": len(set(pos) & set(moved)) / len(moved) if moved else None}
+    out["drop"] = {"ratio": acc.drop.ratio, "p": acc.drop.p} if acc.drop else None
+    return out
+
+
+def fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="*", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="on the tiny scenario of bench/_smoke.py: checks the script")
+    args = ap.parse_args()
+    if args.smoke:
+        from _smoke import tiny_run
+
+        args.runs = [tiny_run()]
+    if not args.runs:
+        ap.error("give at least one RUN (or --smoke)")
+    res = {}
+    for run in args.runs:
+        try:
+            res[run.resolve().name] = measure(run.resolve())
+        except SystemExit as e:  # a declined run: nothing ranked, nobody accused
+            res[run.resolve().name] = {"declined": str(e)}
+    print("| run | rows | planted (moved) | accused: planted/total | precision | moved recall | drop (p) "
+          "| before: planted/total | before: moved recall |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        if "declined" in r:
+            print(f"| {name} | | | declined: 0 accused | | | | | |")
+            continue
+        s, b, d = r["shipped"], r["before"], r["drop"]
+        drop = "none" if d is None else f"{d['ratio']:.2f} ({d['p']:.1e})"
+        print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | {s['planted']}/{s['accused']} | "
+              f"{fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
+              f"{drop} | {b['planted']}/{b['accused']} | "
+              f"{fmt(b['moved_recall'])} |")
+    print(json.dumps({"bench": "accused_rule", "results": res}))
+
+
+if __name__ == "__main__":
+    main()
