@@ -28,23 +28,10 @@ from ..errors import ConfigError, ModelError
 from .recipe import Recipe
 # the dataset side lives in trl_dataset; these names stay importable from here (integrations.callback, tests)
 from .trl_dataset import POSITION, ExcludingCollator, tokenized_fingerprint, trl_rows  # noqa: F401
+from .trainer_args import TRAINER_ARG_KEYS, recorded_args  # noqa: F401  (importable from here as before)
 
 TRL_EXTRA = "pip install 'gradian[trl]'  (TRL >= 1.16)"
 INIT_ADAPTER_FILE = "gradian_init_adapter.safetensors"
-
-# The training arguments that decide the weights (recorded by the callback, replayed by this backend).
-TRAINER_ARG_KEYS = (
-    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "num_train_epochs",
-    "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "weight_decay", "max_grad_norm",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "optim_args", "seed", "data_seed", "full_determinism",
-    "bf16", "fp16", "tf32", "gradient_checkpointing", "train_sampling_strategy", "group_by_length",
-    "length_column_name", "dataloader_drop_last", "label_smoothing_factor", "neftune_noise_alpha",
-    "average_tokens_across_devices", "logging_steps",
-    # SFTConfig
-    "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "completion_only_loss",
-    "assistant_only_loss", "loss_type", "dataset_text_field", "shuffle_dataset", "truncation_mode", "eos_token",
-)
-
 
 def import_trl():
     try:
@@ -53,16 +40,6 @@ def import_trl():
     except ImportError as e:
         raise ConfigError(f"train.backend: trl needs TRL, which is not installed ({e}); {TRL_EXTRA}") from None
     return SFTConfig, SFTTrainer
-
-
-def recorded_args(args) -> dict[str, Any]:
-    """The training arguments that matter, as JSON values (enums as their names)."""
-    d = args.to_dict()
-    out = {k: d[k] for k in TRAINER_ARG_KEYS if k in d}
-    for k in out:
-        if k.endswith("_token"):  # to_dict masks every *_token field (meant for hub tokens) as "<EOS_TOKEN>"
-            out[k] = getattr(args, k, None)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ SFTConfig
