@@ -126,6 +126,6 @@ def judge(distance: Optional[dict], reference_scores: Optional[Sequence[float]],
                             "no reference retrain and no random control was run, so whether the retrains reproduce "
                             "your fine-tune is unknown")
     lead = "the reference retrain reproduces your fine-tune" if distance is not None else \
-        "no reference retrain was run (--no-reference); the random controls stay near your fine-tune"
+        "no reference retrain was run; the random controls stay near your fine-tune"
     return Reproduction(True, wd, distance.get("max_module") if distance else None, gap, ref_frac, drift,
                         f"{lead} ({', '.join(checked)})")
