@@ -186,6 +186,11 @@ def test_a_malicious_training_args_bin_executes_nothing(plain_run, tmp_path):
     before = torch.random.get_rng_state()
     assert read_training_args(bad)["report_to"] == 1234
     assert torch.equal(torch.random.get_rng_state(), before)
+    # a Path given as logging_dir reads as its text
+    args = _real_args(plain_run)
+    args.__dict__["logging_dir"] = tmp_path / "logs"
+    torch.save(args, bad)
+    assert read_training_args(bad)["logging_dir"] == str(tmp_path / "logs")
     # nor imported: a module that does not exist reads as a plain record
     raw = b"\x80\x02ctrl.no_such_module\nThing\nq\x00)\x81q\x01}q\x02X\x04\x00\x00\x00seedq\x03K\x07sb."
     (tmp_path / "raw.bin").write_bytes(raw)
@@ -318,3 +323,55 @@ def test_reproduction_rule():
     assert gap.reproduced is False and gap.reference_gap == pytest.approx(0.25)
     none = judge(None, None, [], base, tuned)
     assert none.reproduced is None and verdict_of((True, "rule"), none)[:2] == ("inconclusive", None)
+
+
+def test_weight_distance_equals_the_naive_update_distance(tmp_path):
+    """`weight_distance` through r x r products equals ||B1 A1 - B2 A2|| / ||B2 A2|| computed on the full updates
+    (and plain tensors compared as they are); 0 for the same file."""
+    from safetensors.torch import save_file
+
+    from gradian.validate.reproduction import weight_distance
+
+    g = torch.Generator().manual_seed(0)
+    a, b = {}, {}
+    names = [f"base_model.model.layers.{i}.q_proj" for i in range(3)]
+    for n in names:
+        A, B = torch.randn(4, 64, generator=g), torch.randn(96, 4, generator=g)
+        a |= {f"{n}.lora_A.weight": A, f"{n}.lora_B.weight": B}
+        b |= {f"{n}.lora_A.weight": A + 0.01 * torch.randn(4, 64, generator=g), f"{n}.lora_B.weight": B * 1.02}
+    a["head.modules_to_save.weight"] = torch.randn(5, 5, generator=g)
+    b["head.modules_to_save.weight"] = a["head.modules_to_save.weight"] * 1.1
+    for d, sd in (("a", a), ("b", b)):
+        (tmp_path / d).mkdir()
+        save_file(sd, str(tmp_path / d / "adapter_model.safetensors"))
+    num = den = 0.0
+    per = {}
+    for n in names:
+        ua = a[f"{n}.lora_B.weight"].double() @ a[f"{n}.lora_A.weight"].double()
+        ub = b[f"{n}.lora_B.weight"].double() @ b[f"{n}.lora_A.weight"].double()
+        num, den = num + float(((ua - ub) ** 2).sum()), den + float((ub ** 2).sum())
+        per[n] = float((ua - ub).norm() / ub.norm())
+    x, y = a["head.modules_to_save.weight"].double(), b["head.modules_to_save.weight"].double()
+    num, den = num + float(((x - y) ** 2).sum()), den + float((y ** 2).sum())
+    per["head.modules_to_save.weight"] = float((x - y).norm() / y.norm())
+    got = weight_distance(tmp_path / "a", tmp_path / "b")
+    assert got["relative"] == pytest.approx((num / den) ** 0.5, rel=1e-9)
+    assert got["max_module"] == pytest.approx(max(per.values()), rel=1e-9) and got["module"] == max(per, key=per.get)
+    assert got["modules"] == 4
+    assert weight_distance(tmp_path / "a", tmp_path / "a")["relative"] == 0.0
+
+
+def test_trainer_state_from_an_earlier_checkpoint_and_a_checkpoint_as_the_adapter(plain_run, tmp_path):
+    """The newest checkpoint's trainer_state.json may be from before the end (save_steps not dividing the run): it
+    still gives the run's step count. A checkpoint given as model.adapter is refused, naming its step."""
+    from gradian.config import load_config
+    from gradian.training.trainer_dir import recipe_for_retrain
+
+    run = _copy(plain_run, tmp_path / "run")
+    shutil.rmtree(run / "trl" / "checkpoint-18")
+    recipe, _ = recipe_for_retrain(load_config(run / "gradian.yaml"))
+    assert recipe.total_steps == recipe.step == 18
+    assert recipe.origin_files[-1] == str(run / "trl" / "checkpoint-12" / "trainer_state.json")
+    r = _cli("verify", run / "gradian.yaml", "--set", "model.adapter=trl/checkpoint-6")
+    out = words(r.output)
+    assert r.exit_code == 2 and "checkpoint-6/trainer_state.json: the adapter is the state after step 6 of 18" in out

@@ -6,8 +6,8 @@ from somebody else could run code through `torch.load(weights_only=False)` or `p
 imports or calls anything the file names:
 
 * every global the pickle names is checked against `ALLOWED`: module prefixes of the libraries whose classes a
-  TrainingArguments pickle holds (transformers, trl, accelerate, peft, torch's `device`/`dtype`) and a few harmless
-  builtins (containers, `_codecs.encode` for bytes); anything else (`os.system`, `builtins.eval`, `subprocess.*`, ...)
+  TrainingArguments pickle holds (transformers, trl, accelerate, peft, torch's `device`/`dtype`, pathlib's paths)
+  and a few harmless builtins (containers, `_codecs.encode` for bytes); anything else (`os.system`, `builtins.eval`, `subprocess.*`, ...)
   stops the load with `UnsafePickle`, which names the global, before it is called;
 * an allowed library global is never imported either: `find_class` hands the unpickler an inert stand-in class
   (`Stub`) that keeps the arguments and state the pickle gives it. A `SchedulerType("linear")` becomes the string
@@ -24,19 +24,20 @@ from __future__ import annotations
 import io
 import pickle
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 # Library modules whose globals come back as inert stand-ins (never imported).
 STUB_MODULES = ("transformers", "trl", "accelerate", "peft")
-# torch globals a TrainingArguments pickle holds (`device`, dtypes such as `torch.float32`): stand-ins too.
+# torch globals a TrainingArguments pickle holds (`device`, dtypes such as `torch.float32`): stand-ins too, and the
+# path classes of an output_dir / logging_dir given as a Path.
 TORCH_STUBS = {"device", "dtype", "float32", "float16", "bfloat16", "float64", "int64", "int32"}
+PATH_STUBS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
 # Real objects the unpickler may call: containers and the codec pickle protocol 2 writes bytes with.
 SAFE_BUILTINS = {("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "list"): list,
-                 ("builtins", "dict"): dict, ("builtins", "tuple"): tuple, ("builtins", "bytearray"): bytearray,
-                 ("builtins", "slice"): slice, ("collections", "OrderedDict"): dict}
-ALLOWED = "transformers.*, trl.*, accelerate.*, peft.* and torch's device and dtypes (read as plain values), " \
-          "and the builtin containers"
+                 ("builtins", "dict"): dict, ("builtins", "tuple"): tuple, ("collections", "OrderedDict"): dict}
+ALLOWED = "transformers.*, trl.*, accelerate.*, peft.*, torch's device and dtypes and pathlib's paths (read as " \
+          "plain values), and the builtin containers"
 MAX_BYTES = 64 << 20  # a TrainingArguments pickle is a few kB
 
 
@@ -75,7 +76,8 @@ def _stub(module: str, name: str) -> type:
 def allowed(module: str, name: str) -> bool:
     root = module.split(".", 1)[0]
     return ((module, name) in SAFE_BUILTINS or (root in STUB_MODULES and not name.startswith("__"))
-            or (module == "torch" and name in TORCH_STUBS) or (module, name) == ("_codecs", "encode"))
+            or (module == "torch" and name in TORCH_STUBS) or (module == "pathlib" and name in PATH_STUBS)
+            or (module, name) == ("_codecs", "encode"))
 
 
 class _Restricted(pickle.Unpickler):
@@ -115,6 +117,9 @@ def plain(obj: Any) -> Any:
             return {str(k): plain(v) for k, v in obj.state.items()}
         if len(obj.args) == 1 and not obj.kwargs:
             return plain(obj.args[0])
+        if obj._global[0] == "pathlib":  # a path pickles as its parts; a pure path joins them (no file access)
+            pure = PureWindowsPath if "Windows" in obj._global[1] else PurePosixPath
+            return str(pure(*[str(a) for a in obj.args]))
         if obj.args:
             return [plain(a) for a in obj.args]
         return obj._global[1]

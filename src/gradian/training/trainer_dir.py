@@ -139,7 +139,8 @@ def trainer_dir_recipe(adapter: str | Path, *, shape: Optional[str] = None) -> t
     args = read_args(args_path)
     lora = read_lora(adapter)
     state_path, state = read_state(adapter)
-    if state and state.get("max_steps") and state.get("global_step") not in (None, state["max_steps"]):
+    if state_path is not None and state_path.parent == adapter and state.get("max_steps") \
+            and state.get("global_step") not in (None, state["max_steps"]):  # (a checkpoint's state may be earlier)
         raise VerifyError(f"{state_path}: the adapter is the state after step {state['global_step']} of "
                           f"{state['max_steps']}; verify retrains a finished run: point model.adapter at the run's "
                           "output dir (the final adapter trainer.save_model wrote)")
@@ -166,7 +167,7 @@ def trainer_dir_recipe(adapter: str | Path, *, shape: Optional[str] = None) -> t
         "data_order": (f"the Trainer's RandomSampler after set_seed({args['seed']})"
                        + (f", data_seed {args['data_seed']}" if args.get("data_seed") is not None else "")),
         "base": lora.get("base_model_name_or_path"), "total_steps": total,
-        "step": int(state["global_step"]) if state.get("global_step") is not None else None,
+        "step": total,  # the adapter is the run's end (a checkpoint as model.adapter is refused above)
         "excluded_positions": [], "origin": ORIGIN, "origin_files": files,
         "trainer_class": args["__class__"],
     })

@@ -28,22 +28,34 @@ import numpy as np
 TOLERANCE = {"max_weight_distance": 0.05, "max_reference_gap": 0.10, "max_controls_drift": 0.25}
 
 
-def lora_updates(tensors: dict) -> dict:
-    """{module: dW = B @ A in float64} for every LoRA pair of a saved adapter; other saved tensors (modules_to_save,
-    trainable tokens) as they are, under their own names."""
-    out, seen = {}, set()
+def _pairs(tensors: dict) -> dict[str, tuple]:
+    """{module: (A, B)} for every LoRA pair of a saved adapter, other saved tensors (modules_to_save, trainable
+    tokens) as {name: (tensor, None)}; float64."""
+    out = {}
     for k, t in tensors.items():
-        if ".lora_A." in k:
-            kb = k.replace(".lora_A.", ".lora_B.")
-            if kb in tensors:
-                a, b = t.double(), tensors[kb].double()
-                out[k.replace(".lora_A.weight", "").replace(".lora_A.", ".")] = b.reshape(b.shape[0], -1) @ \
-                    a.reshape(a.shape[0], -1)
-                seen.update((k, kb))
-    for k, t in tensors.items():
-        if k not in seen:
-            out[k] = t.double()
+        if ".lora_A." in k and k.replace(".lora_A.", ".lora_B.") in tensors:
+            b = tensors[k.replace(".lora_A.", ".lora_B.")].double()
+            out[k.replace(".lora_A.weight", "").replace(".lora_A.", ".")] = (t.double().reshape(t.shape[0], -1),
+                                                                             b.reshape(b.shape[0], -1))
+        elif ".lora_B." not in k or k.replace(".lora_B.", ".lora_A.") not in tensors:
+            out[k] = (t.double(), None)
     return out
+
+
+def _squares(x: tuple, y: tuple) -> tuple[float, float]:
+    """(||dW_x - dW_y||^2, ||dW_y||^2) for dW = B @ A, through r x r products (never the full update: an 8B model's
+    MLP update is 60M numbers); a plain tensor's when B is None."""
+    (ax, bx), (ay, by) = x, y
+    if bx is None:
+        return float(((ax - ay) ** 2).sum()), float((ay ** 2).sum())
+    if all(u.shape == v.shape and bool((u == v).all()) for u, v in ((ax, ay), (bx, by))):
+        return 0.0, float(((by.T @ by) * (ay @ ay.T)).sum())
+
+    def inner(a1, b1, a2, b2):  # <B1 A1, B2 A2> = tr((B1^T B2)(A2 A1^T))
+        return float(((b1.T @ b2) * (a1 @ a2.T)).sum())
+
+    nx, ny, cross = inner(ax, bx, ax, bx), inner(ay, by, ay, by), inner(ax, bx, ay, by)
+    return max(nx + ny - 2 * cross, 0.0), ny
 
 
 def weight_distance(reference: Path, user: Path) -> dict:
@@ -54,19 +66,20 @@ def weight_distance(reference: Path, user: Path) -> dict:
     fa, fb = Path(reference) / "adapter_model.safetensors", Path(user) / "adapter_model.safetensors"
     if not (fa.exists() and fb.exists()):
         return {"relative": None, "why": f"{fb if not fb.exists() else fa} is missing"}
-    ua, ub = lora_updates(load_file(str(fa))), lora_updates(load_file(str(fb)))
-    if ua.keys() != ub.keys() or any(ua[k].shape != ub[k].shape for k in ua):
+    pa, pb = _pairs(load_file(str(fa))), _pairs(load_file(str(fb)))
+    if pa.keys() != pb.keys() or any(tuple(getattr(u, "shape", ())) != tuple(getattr(v, "shape", ()))
+                                     for k in pa for u, v in zip(pa[k], pb[k])):
         return {"relative": None, "why": "the reference retrain's adapter has other LoRA modules or shapes than yours"}
     num = den = 0.0
-    worst, worst_name = 0.0, None
-    for k in ub:
-        d, n = float((ua[k] - ub[k]).norm() ** 2), float(ub[k].norm() ** 2)
+    worst, worst_name = -1.0, None
+    for k in pb:
+        d, n = _squares(pa[k], pb[k])
         num, den = num + d, den + n
-        r = (d ** 0.5) / (n ** 0.5) if n > 0 else (0.0 if d == 0 else float("inf"))
-        if r > worst or worst_name is None:
+        r = (d / n) ** 0.5 if n > 0 else (0.0 if d == 0 else float("inf"))
+        if r > worst:
             worst, worst_name = r, k
-    rel = (num ** 0.5) / (den ** 0.5) if den > 0 else (0.0 if num == 0 else float("inf"))
-    return {"relative": rel, "max_module": worst, "module": worst_name, "modules": len(ub)}
+    rel = (num / den) ** 0.5 if den > 0 else (0.0 if num == 0 else float("inf"))
+    return {"relative": rel, "max_module": worst, "module": worst_name, "modules": len(pb)}
 
 
 @dataclass(frozen=True)
