@@ -375,3 +375,27 @@ def test_trainer_state_from_an_earlier_checkpoint_and_a_checkpoint_as_the_adapte
     r = _cli("verify", run / "gradian.yaml", "--set", "model.adapter=trl/checkpoint-6")
     out = words(r.output)
     assert r.exit_code == 2 and "checkpoint-6/trainer_state.json: the adapter is the state after step 6 of 18" in out
+
+
+def test_an_hf_trainer_dir_reads_its_training_arguments(plain_run, tmp_path):
+    """A plain transformers Trainer wrote TrainingArguments (no SFT fields): the recipe takes its fields, TRL's
+    defaults fill the rest at retrain time (max_length 1024), and the loss mode follows its data and arguments."""
+    from transformers import TrainingArguments
+
+    from gradian.config import load_config
+    from gradian.training.trainer_dir import recipe_for_retrain
+
+    run = _copy(plain_run, tmp_path / "run")
+    for f in run.glob("trl/checkpoint-*/training_args.bin"):
+        f.unlink()
+    args = TrainingArguments(output_dir=str(run / "trl"), learning_rate=3e-4, num_train_epochs=2,
+                             per_device_train_batch_size=4, lr_scheduler_type="cosine", warmup_steps=0.1, seed=11,
+                             report_to=[], use_cpu=True)
+    torch.save(args, run / "trl" / "training_args.bin")
+    recipe, _ = recipe_for_retrain(load_config(run / "gradian.yaml"))
+    assert recipe.trainer_class == "transformers.training_args.TrainingArguments" and recipe.seed == 11
+    hp = recipe.hyperparameters
+    assert (hp.learning_rate, hp.epochs, hp.batch_size, hp.lr_scheduler, hp.max_seq_length) == (3e-4, 2, 4, "cosine",
+                                                                                                1024)
+    assert hp.warmup_steps == 2 and hp.loss == "all"  # 10% of the 18 steps trainer_state.json counts; messages data
+    assert recipe.trainer_args["lr_scheduler_type"] == "cosine" and "max_length" not in recipe.trainer_args
