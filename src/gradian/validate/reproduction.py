@@ -127,7 +127,7 @@ def judge(distance: Optional[dict], reference_scores: Optional[Sequence[float]],
             fails.append(f"the reference retrain's capability differs from your fine-tune's by {abs(ref_frac):.0%} "
                          f"of the change (tolerance {tol['max_reference_gap']:.0%})")
     if drift is not None:
-        checked.append(f"random-row retrains {drift:.0%} of the change from it on average")
+        checked.append(f"random-row retrains on average {drift:.0%} of the change away from it")
         if drift > tol["max_controls_drift"]:
             fails.append(f"retrains without random rows moved the capability by {drift:.0%} of the change on average "
                          f"(tolerance {tol['max_controls_drift']:.0%})")
