@@ -130,10 +130,12 @@ def test_readme_trl_script_with_callback_attribute_and_verify(tmp_path):
     assert report["metrics"]["recall_at_10"] >= 0.8
     res = run_verify(cfg, controls=1)
     assert res["backend"] == "trl" and "-100" in res["removal"]
+    assert res["recipe_origin"] == "gradian_recipe.json"  # the callback's recipe, as before: the exact path
     assert res["reference"]["reproduced_bit_for_bit"] is True
+    assert res["reproduction"]["reproduced"] is True and res["reproduction"]["weight_distance"] == 0.0
     # measured: accused 0.8 (4 of the 5 failing items), the control 0.0
     assert res["accused"]["reverted_fraction"] >= 0.75 and res["controls"][0]["reverted_fraction"] <= 0.1
-    assert res["confirmed"] is True
+    assert res["confirmed"] is True and res["verdict"] == "confirmed"
 
 
 # ------------------------------------------------------------------------------------------ train.command

@@ -341,7 +341,8 @@ def verify(config: Optional[Path] = ConfigArg, set: Optional[List[str]] = SetOpt
            keep_adapters: bool = typer.Option(False, "--keep-adapters", help="Keep the retrained adapters under "
                                               "OUT/verify/"),
            reference: bool = typer.Option(True, "--reference/--no-reference", help="Also retrain with nothing "
-                                          "dropped, to show the recipe reproduces the adapter"),
+                                          "dropped, to show the recipe reproduces the adapter (without it, only "
+                                          "the random controls say whether the retrains reproduce the run)"),
            nproc: Optional[int] = NprocOpt,
            adapter: Optional[str] = AdapterOpt, base: Optional[str] = BaseOpt, train_data: Optional[str] = TrainOpt,
            eval_data: Optional[str] = EvalOpt, metric: Optional[str] = MetricOpt,

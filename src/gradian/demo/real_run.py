@@ -60,9 +60,10 @@ def prepare_real(name: str, run_dir: Path, *, seed: int = 0, cache_dir: Optional
     return run_dir
 
 
-def finetune_real(run_dir: Path, *, log=print) -> Path:
+def finetune_real(run_dir: Path, *, log=print, callback: bool = True) -> Path:
     """The scenario's fine-tune into run_dir/adapter (skipped when it is there): TRL for `backend: trl` recipes
-    (the script a TRL user writes: SFTTrainer, one checkpoint per epoch, GradianCallback), else `gradian train`."""
+    (the script a TRL user writes: SFTTrainer, one checkpoint per epoch, GradianCallback unless `callback` is
+    False: a plain TRL output dir, whose recipe verify reads from training_args.bin), else `gradian train`."""
     run_dir = Path(run_dir)
     out = run_dir / "adapter"
     if (out / "adapter_config.json").exists():
@@ -72,7 +73,8 @@ def finetune_real(run_dir: Path, *, log=print) -> Path:
     t0 = time.time()
     if recipe.get("backend") == "trl":
         cfg = yaml.safe_load((run_dir / "gradian.yaml").read_text())
-        trl_user_script(cfg["model"]["base"], run_dir / "train.jsonl", out, recipe, seed=meta["seed"])
+        trl_user_script(cfg["model"]["base"], run_dir / "train.jsonl", out, recipe, seed=meta["seed"],
+                        callback=callback)
     else:
         from .. import api
 
@@ -81,11 +83,13 @@ def finetune_real(run_dir: Path, *, log=print) -> Path:
     return out
 
 
-def trl_user_script(base: str, train_jsonl: Path, out: Path, recipe: dict, *, seed: int = 0) -> Path:
+def trl_user_script(base: str, train_jsonl: Path, out: Path, recipe: dict, *, seed: int = 0,
+                    callback: bool = True) -> Path:
     """What a TRL user runs: SFTTrainer over the JSONL with a LoRA config, a checkpoint per epoch, the final
-    adapter saved into the output directory, recorded by GradianCallback. Loss masks are TRL's defaults for the
-    data's shape (completion only for prompt-completion records, every token for `messages` unless the template has
-    generation tags and `loss` is not "all")."""
+    adapter saved into the output directory, recorded by GradianCallback (without it when `callback` is False: the
+    output dir holds only what TRL writes: training_args.bin, checkpoint-*/trainer_state.json and the adapter).
+    Loss masks are TRL's defaults for the data's shape (completion only for prompt-completion records, every token
+    for `messages` unless the template has generation tags and `loss` is not "all")."""
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -109,7 +113,7 @@ def trl_user_script(base: str, train_jsonl: Path, out: Path, recipe: dict, *, se
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), args=args,
                          train_dataset=load_dataset("json", data_files=str(train_jsonl), split="train"),
                          processing_class=AutoTokenizer.from_pretrained(base), peft_config=lora,
-                         callbacks=[GradianCallback()])
+                         callbacks=[GradianCallback()] if callback else [])
     trainer.train()
     trainer.save_model(str(out))
     return out

@@ -259,6 +259,10 @@ def _verify(verify: Mapping[str, Any] | None) -> dict[str, Any] | None:
         "control_mean": verify.get("control_mean_reverted"),
         "confirmed": confirmed,
         # verify's confirmed (True), not confirmed (False) or inconclusive (None), in the banner's tones
+        "title": {"confirmed": "Confirmed", "not_confirmed": "Not confirmed", "not_reproduced": "Not reproduced",
+                  "inconclusive": "Inconclusive"}.get(as_str(verify.get("verdict")) or "",
+                                                      "Confirmed" if confirmed is True else
+                                                      ("Not confirmed" if confirmed is False else "Verify result")),
         "tone": "attributed" if confirmed is True else ("declined" if confirmed is False else "unknown"),
         "statement": as_str(verify.get("statement")),
     }

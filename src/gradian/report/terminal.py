@@ -73,10 +73,15 @@ def print_verify(res: dict, console) -> None:
     console.print(t)
     ref = res.get("reference")
     if ref:
+        wd = ref.get("weight_distance")
+        dist = f"; its LoRA weights are {wd:.2%} from your adapter's" if wd is not None else ""
         console.print(("reference retrain (nothing dropped) reproduces the adapter bit for bit"
                        if ref["reproduced_bit_for_bit"] else
                        f"reference retrain differs from the adapter ({res['metric']} {ref['capability']:.3f} vs "
-                       f"{res['original_tuned']:.3f}); comparisons use the reference"), style="dim")
+                       f"{res['original_tuned']:.3f}{dist}); comparisons use the reference"), style="dim")
+    rep = res.get("reproduction")
+    if rep and res.get("verdict") == "not_confirmed":  # the other verdicts' statements say it
+        console.print(f"reproduction: {rep['reason']}", style="dim", highlight=False)
     style = {True: "bold green", False: "bold red", None: "bold yellow"}[res["confirmed"]]
     console.print(res["statement"], style=style, highlight=False)
 

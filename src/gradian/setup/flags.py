@@ -138,6 +138,10 @@ def settings_dict(cfg: Config) -> dict:
         d["grads"]["cache_dir"] = str(cfg.path(cfg.grads.cache_dir))
     if cfg.train.output:
         d["train"]["output"] = str(cfg.path(cfg.train.output))
+    if "backend" not in cfg.train.model_fields_set:
+        # unset, the backend is the adapter's recipe's (`training.backends.backend_for`: a TRL run retrains through
+        # TRL); written, the default `hf` would pin every later verb's retrains to gradian's own loop
+        d["train"].pop("backend", None)
     d["attribution"]["checkpoint_adapters"] = [str(cfg.path(p)) for p in cfg.attribution.checkpoint_adapters]
     d["output"] = "."
     return d

@@ -1,8 +1,11 @@
 """The training recipe: what `gradian train` records beside an adapter and what `verify`, `fidelity` and checkpoint
 replays retrain from (`gradian_recipe.json`), as a typed `Recipe`.
 
-A recipe written by hand for an adapter trained elsewhere needs `seed` and the `RECIPE_REQUIRED` hyperparameters;
-the `RECIPE_OPTIONAL` ones default to the config's (`load_recipe` says which are missing and shows an example).
+Where an adapter has no `gradian_recipe.json`, `load_recipe` reads the recipe of a TRL / HF Trainer output dir from
+what the Trainer wrote (`training.trainer_dir`: training_args.bin, never executed, adapter_config.json,
+trainer_state.json). A recipe written by hand for an adapter trained elsewhere needs `seed` and the
+`RECIPE_REQUIRED` hyperparameters; the `RECIPE_OPTIONAL` ones default to the config's (`load_recipe` says which are
+missing and shows an example).
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ class Recipe(BaseModel):
     lora_config: Optional[dict[str, Any]] = None
     init_adapter: Optional[str] = None
     tokenized_fingerprint: Optional[str] = None
+    # A recipe read from a Trainer output dir without a recorded one (`training.trainer_dir`): origin "trainer_dir",
+    # the files it was read from and the class of the pickled arguments (SFTConfig, TrainingArguments).
+    origin: Optional[str] = None
+    origin_files: Optional[list[str]] = None
+    trainer_class: Optional[str] = None
 
     @property
     def hp(self) -> dict[str, Any]:
@@ -140,7 +148,9 @@ def recipe_help(adapter: str | Path) -> str:
     opt = ", ".join(f"{k} (default {v})" for k, v in RECIPE_OPTIONAL.items())
     example = json.dumps({"seed": 0, "hyperparameters": {"learning_rate": 2e-4, "epochs": 3, "batch_size": 8, "lora_r": 16,
                                                           "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}})
-    return (f"write {Path(adapter) / RECIPE_FILE} with the recipe it was trained with. Required: {req}. Optional: "
+    return (f"point model.adapter at the output dir of the TRL / HF Trainer run (its training_args.bin and "
+            f"adapter_config.json hold the recipe), or write {Path(adapter) / RECIPE_FILE} with the recipe it was "
+            f"trained with. Required: {req}. Optional: "
             f"{opt}, dataset_fingerprint (refuses a different training file), base. Example: {example}. verify retrains "
             "with gradian's own loop (AdamW, constant learning rate, token-weighted loss over assistant tokens); a "
             "reference retrain with nothing dropped shows how close that comes to your adapter")
@@ -148,7 +158,8 @@ def recipe_help(adapter: str | Path) -> str:
 
 def load_recipe(cfg) -> tuple[Recipe, Path]:
     """The recipe beside model.adapter for a retrain, validated, with the optional fields' defaults from the config;
-    VerifyError naming what is missing (and how to write one) otherwise."""
+    VerifyError naming what is missing (and how to write one) otherwise. Retrains call it through
+    `trainer_dir.recipe_for_retrain`, which reads a Trainer output dir's recipe where there is no recorded one."""
     from ..io import dir_fingerprint
 
     if not cfg.model.adapter:
@@ -158,9 +169,10 @@ def load_recipe(cfg) -> tuple[Recipe, Path]:
     if not Path(adapter).is_dir():
         raise VerifyError(f"model.adapter '{adapter}' is not a local directory, so it has no {RECIPE_FILE}; download "
                           f"it and {recipe_help(adapter)}")
-    if not path.exists():
-        raise VerifyError(f"{path}: not found, so the recipe that trained model.adapter is unknown (an adapter trained "
-                          f"outside `gradian train`). To verify, {recipe_help(adapter)}")
+    if not path.exists():  # (a Trainer dir's training_args.bin is read before this: trainer_dir.recipe_for_retrain)
+        raise VerifyError(f"{path}: not found, nor a Trainer's training_args.bin (in the dir or a checkpoint-* "
+                          "folder), so the recipe that trained model.adapter is unknown (an adapter trained outside "
+                          f"`gradian train`, saved without its Trainer's files). To verify, {recipe_help(adapter)}")
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -187,3 +199,4 @@ def load_recipe(cfg) -> tuple[Recipe, Path]:
             raise VerifyError(f"{path}: the adapter was trained on a base with fingerprint {recipe.base_fingerprint}, "
                               f"but model.base '{cfg.model.base}' has {now}; retraining needs the same base")
     return recipe, path
+

@@ -17,6 +17,7 @@ TRL is an optional extra (`pip install 'gradian[trl]'`), imported only here and 
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import time
@@ -28,23 +29,10 @@ from ..errors import ConfigError, ModelError
 from .recipe import Recipe
 # the dataset side lives in trl_dataset; these names stay importable from here (integrations.callback, tests)
 from .trl_dataset import POSITION, ExcludingCollator, tokenized_fingerprint, trl_rows  # noqa: F401
+from .trainer_args import TRAINER_ARG_KEYS, recorded_args  # noqa: F401  (importable from here as before)
 
 TRL_EXTRA = "pip install 'gradian[trl]'  (TRL >= 1.16)"
 INIT_ADAPTER_FILE = "gradian_init_adapter.safetensors"
-
-# The training arguments that decide the weights (recorded by the callback, replayed by this backend).
-TRAINER_ARG_KEYS = (
-    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "num_train_epochs",
-    "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "weight_decay", "max_grad_norm",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "optim", "optim_args", "seed", "data_seed", "full_determinism",
-    "bf16", "fp16", "tf32", "gradient_checkpointing", "train_sampling_strategy", "group_by_length",
-    "length_column_name", "dataloader_drop_last", "label_smoothing_factor", "neftune_noise_alpha",
-    "average_tokens_across_devices", "logging_steps",
-    # SFTConfig
-    "max_length", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of", "completion_only_loss",
-    "assistant_only_loss", "loss_type", "dataset_text_field", "shuffle_dataset", "truncation_mode", "eos_token",
-)
-
 
 def import_trl():
     try:
@@ -53,16 +41,6 @@ def import_trl():
     except ImportError as e:
         raise ConfigError(f"train.backend: trl needs TRL, which is not installed ({e}); {TRL_EXTRA}") from None
     return SFTConfig, SFTTrainer
-
-
-def recorded_args(args) -> dict[str, Any]:
-    """The training arguments that matter, as JSON values (enums as their names)."""
-    d = args.to_dict()
-    out = {k: d[k] for k in TRAINER_ARG_KEYS if k in d}
-    for k in out:
-        if k.endswith("_token"):  # to_dict masks every *_token field (meant for hub tokens) as "<EOS_TOKEN>"
-            out[k] = getattr(args, k, None)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ SFTConfig
@@ -74,7 +52,8 @@ def sft_arguments(hp: dict, seed: int, recorded: Optional[dict], loss_flags: dic
     needs whatever the run used (no reporting, no hub, no checkpoints of the Trainer's own, every column kept)."""
     if recorded:
         kw = dict(recorded)
-        if not kw.get("max_steps") or kw["max_steps"] <= 0:
+        if (not kw.get("max_steps") or kw["max_steps"] <= 0) and \
+                math.ceil(float(kw.get("num_train_epochs") or 0)) != hp["epochs"]:
             kw["num_train_epochs"] = hp["epochs"]  # a constant-rate checkpoint replay is a shorter run
     else:
         kw = {
@@ -94,8 +73,9 @@ def sft_arguments(hp: dict, seed: int, recorded: Optional[dict], loss_flags: dic
         "use_cpu": getattr(device, "type", str(device)) == "cpu", "eval_strategy": "no",
     })
     if kw.get("use_cpu"):
-        kw["bf16"] = kw.get("bf16") and dtype == "bfloat16"
-        kw["fp16"] = False
+        if not recorded:  # a recorded run's bf16 autocast (TRL's default) is part of its recipe: replayed as it ran
+            kw["bf16"] = kw.get("bf16") and dtype == "bfloat16"
+        kw["fp16"] = False  # no fp16 autocast on CPU
     return kw
 
 
@@ -107,6 +87,7 @@ def lora_config_of(hp: dict, recorded: Optional[dict]):
         kw = {k: v for k, v in recorded.items() if k in fields and k not in ("base_model_name_or_path", "revision",
                                                                               "peft_type", "auto_mapping")}
         kw["task_type"] = "CAUSAL_LM"
+        kw["inference_mode"] = False  # an adapter_config.json is saved for inference; a retrain trains it
         return LoraConfig(**kw)
     return LoraConfig(r=hp["lora_r"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
                       target_modules=hp["target_modules"], task_type="CAUSAL_LM")
@@ -248,9 +229,11 @@ def trl_recipe(cfg, data: TrlData, plan: TrlPlan, log: TrlLog, recipe: Optional[
     })
 
 
-def _record_callback(plan: TrlPlan, log: TrlLog, stop_epoch: Optional[int], record):
+def _record_callback(plan: TrlPlan, log: TrlLog, stop_epoch: Optional[int], record,
+                     expected_steps: Optional[tuple] = None):
     """The TrainerCallback that records rates, losses and steps, advances gradian's bar (`log.state["bar"]`),
-    saves the checkpoint epochs and stops a checkpoint replay after its epoch."""
+    saves the checkpoint epochs and stops a checkpoint replay after its epoch; it stops before the first step when
+    the run takes other than `expected_steps` steps (a recipe read from a Trainer dir)."""
     from transformers import TrainerCallback
 
     from .loop import save_adapter
@@ -258,6 +241,8 @@ def _record_callback(plan: TrlPlan, log: TrlLog, stop_epoch: Optional[int], reco
     class _Record(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             log.state["max_steps"] = state.max_steps
+            if expected_steps and state.max_steps != expected_steps[0]:
+                raise ModelError(expected_steps[1](state.max_steps))
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             log.rates.append(float(kwargs["lr_scheduler"].get_last_lr()[0]))
@@ -373,6 +358,7 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     from ..progress import progress_bar
     from ..setup.model import load_base
     from .loop import save_adapter
+    from .trainer_dir import expected_steps
 
     t0 = time.time()
     data = trl_data(cfg, recipe, exclude, model_factory)
@@ -391,7 +377,8 @@ def train_trl(cfg, *, exclude: Iterable[int] = (), out_dir: Optional[Path] = Non
     quiet = _Quiet()
     try:
         trainer, tfp = trl_trainer(cfg, data, plan, model, peft_config,
-                                   _record_callback(plan, log, data.stop_epoch, record), recipe, quiet)
+                                   _record_callback(plan, log, data.stop_epoch, record, expected_steps(cfg, recipe)),
+                                   recipe, quiet)
         log.state["tfp"] = tfp
         n = _steps_to_run(trainer, data.stop_epoch)
         with progress_bar(f"train ({backend_name})", total=n if progress else 0, unit="steps") as b, quiet, \

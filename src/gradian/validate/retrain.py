@@ -39,12 +39,13 @@ def adapters_equal(a: Path, b: Path) -> bool:
 def retrain_recipe(cfg: Config) -> tuple[Optional[Recipe], str]:
     """(the recipe retrains start from, where it is). A `train.command` is its own recipe (None); every other
     backend retrains from the recipe beside model.adapter (`load_recipe`: gradian train's, the TRL backend's or the
-    one GradianCallback recorded)."""
-    from ..training.recipe import load_recipe
+    one GradianCallback recorded), or, in a TRL / HF Trainer output dir without one, the recipe its files hold
+    (`trainer_dir.recipe_for_retrain`)."""
+    from ..training.trainer_dir import recipe_for_retrain
 
     if cfg.train.command:
         return None, f"train.command: {cfg.train.command}"
-    recipe, path = load_recipe(cfg)
+    recipe, path = recipe_for_retrain(cfg)
     return recipe, str(path)
 
 

@@ -33,9 +33,14 @@ planted rows when ``OUT/truth.json`` (or the report's ``truth``) says so; otherw
 ``min(attribution.top_k, max(1, ceil(5% of the rows)))``: a claim about a handful of rows, not a sizeable share of
 the data (dropping a large share would revert any change and prove nothing).
 
-Verdict rule (:func:`decide`): *confirmed* when the accused retrain reverts at least 50% of the change, at least
-25 percentage points more than the mean of the random controls, and its difference interval excludes zero on the
-reverting side. Otherwise *not confirmed*; *inconclusive* when the reference retrain does not reproduce a change.
+Verdict rule (:func:`verdict_of`): *confirmed* when the retrains reproduce the user's fine-tune (the reference
+retrain's LoRA weights and capability, and the random controls' capability, within `reproduction.TOLERANCE` of the
+user's adapter: see `validate.reproduction`) and the accused retrain reverts at least 50% of the change, at least
+25 percentage points more than the mean of the random controls, with its difference interval excluding zero on the
+reverting side (:func:`decide`). *not_reproduced* when a reproduction measure is out of tolerance (nothing is
+confirmed on retrains that do not reproduce the run); *not_confirmed* when the removal rule fails; *inconclusive*
+when the retrains do not show a capability change or nothing measured whether they reproduce the run (no reference
+retrain and no control). `confirmed` is True, False (not_reproduced, not_confirmed) or None (inconclusive).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from ..report.schema import Report
 from ..training.backends import backend_for
 from ..training.recipe import Recipe
 from ..verdict import Verdict
+from .reproduction import Reproduction, judge, weight_distance
 from .retrain import (RetrainJob, RetrainSettings, Retrained, adapters_equal, measure_adapter, removal_text,
                       retrain_many, retrain_recipe)
 
@@ -195,21 +201,48 @@ def decide(accused: dict, controls: list[dict], base: float, tuned: float) -> tu
     return False, "; ".join(why)
 
 
+def verdict_of(removal: tuple[bool | None, str], reproduction: Reproduction) -> tuple[str, bool | None, str]:
+    """(verdict, confirmed, reason): the removal rule (`decide`) stands only on retrains that reproduce the run."""
+    confirmed, reason = removal
+    if confirmed is None:
+        return "inconclusive", None, reason
+    if reproduction.reproduced is False:
+        return "not_reproduced", False, reproduction.reason
+    if reproduction.reproduced is None:
+        return "inconclusive", None, reproduction.reason
+    return ("confirmed" if confirmed else "not_confirmed"), confirmed, reason
+
+
+def dropped_words(k: int, n_accused: int) -> str:
+    """What the accused retrain dropped, in words that stay true when fewer rows were accused than dropped (--top-k,
+    or a report that accuses nobody: then the claim verified is the top of the ranking)."""
+    if n_accused >= k:
+        return f"the {k} accused rows" if n_accused == k else f"the top {k} accused rows"
+    if n_accused == 0:
+        return f"the top {k} rows of the ranking (none accused)"
+    return f"the {n_accused} accused rows and the next {k - n_accused} of the ranking"
+
+
 def statement(res: dict) -> str:
     m, k = res["metric"], res["top_k"]
     a = res["accused"]
-    if res["confirmed"] is None:
+    if res["confirmed"] is None and a["reverted_fraction"] is None:
         return (f"Inconclusive: {res['reason']}. Retraining with the recipe gave {m} {res['tuned']:.2f} "
                 f"vs base {res['base']:.2f}.")
     ctl = (f"dropping {k} random rows reverted {res['control_mean_reverted']:.0%} on average "
            f"({len(res['controls'])} control{'s' if len(res['controls']) != 1 else ''})") if res["controls"] else "no random control was run"
     lo, hi = a["ci"]
     interval = (f" ({int(res['confidence'] * 100)}% interval {lo:.0%} to {hi:.0%})" if lo is not None else "")
-    core = (f"retraining without the top {k} accused rows moved {m} from {res['tuned']:.2f} to {a['capability']:.2f} "
+    core = (f"retraining without {res.get('dropped') or dropped_words(k, k)} moved {m} from {res['tuned']:.2f} to {a['capability']:.2f} "
             f"(base {res['base']:.2f}): {a['reverted_fraction']:.0%} of the fine-tune's change reverted{interval}; "
             f"{ctl}")
+    if res["verdict"] == "not_reproduced":
+        return (f"Not reproduced: {res['reason']}, so the retrains are no evidence about the rows they drop and "
+                f"nothing is confirmed. (For the record, {core}.)")
+    if res["verdict"] == "inconclusive":
+        return f"Inconclusive: {res['reason']}. For the record, {core}."
     if res["confirmed"]:
-        return f"Confirmed: {core}. These rows caused the change."
+        return f"Confirmed: {core}; {res['reproduction']['reason']}. These rows caused the change."
     return f"Not confirmed: {core} ({res['reason']})."
 
 
@@ -240,11 +273,14 @@ class VerifyInputs:
 
 @dataclass(frozen=True)
 class ReferenceCheck:
-    """The reference retrain (nothing dropped) against the user's adapter, and the scores every retrain is compared
-    with: the original fine-tune's, or the reference retrain's when it does not reproduce the adapter bit for bit."""
+    """The reference retrain (nothing dropped) against the user's adapter (`distance`: its LoRA weights',
+    `reproduction.weight_distance`), and the scores every retrain is compared with: the original fine-tune's, or the
+    reference retrain's when it does not reproduce the adapter bit for bit."""
 
     summary: Optional[dict]
     tuned_side: list[float]
+    distance: Optional[dict] = None
+    scores: Optional[list[float]] = None
 
 
 def verify_inputs(cfg: Config, top_k: Optional[int], controls: int) -> VerifyInputs:
@@ -291,9 +327,10 @@ def _retrain_measured(cfg: Config, inputs: VerifyInputs, jobs: list[RetrainJob],
     """Step 3: every retrain and its eval scores and answers (`measure_adapter`); the retrained adapters removed
     when a retrain fails, unless they are kept."""
     k = inputs.top_k
+    dropped = dropped_words(k, inputs.report.accused.count if inputs.report.accused is not None else 0)
 
     def announce(j: int, job: RetrainJob) -> None:
-        what = "nothing dropped" if not job.exclude else (f"minus the top {k} accused rows" if job.name == "accused"
+        what = "nothing dropped" if not job.exclude else (f"minus {dropped}" if job.name == "accused"
                                                           else f"minus {k} random rows")
         say(f"[bold]retrain {j + 1}/{len(jobs)}[/] {job.name}: {what}")
 
@@ -315,9 +352,12 @@ def reference_check(inputs: VerifyInputs, measured: dict[str, Retrained]) -> Ref
         return ReferenceCheck(None, inputs.tuned_scores)
     scores = r.measured[0]
     same = adapters_equal(r.path, inputs.user_adapter)
+    distance = weight_distance(r.path, inputs.user_adapter)
     summary = {"reproduced_bit_for_bit": same, "capability": float(np.mean(scores)),
-               "matches_original_items": scores == inputs.tuned_scores, "used_as_tuned": not same}
-    return ReferenceCheck(summary, inputs.tuned_scores if same else scores)
+               "matches_original_items": scores == inputs.tuned_scores, "used_as_tuned": not same,
+               "weight_distance": distance.get("relative"), "max_module_distance": distance.get("max_module"),
+               "max_module": distance.get("module")}
+    return ReferenceCheck(summary, inputs.tuned_scores if same else scores, distance, scores)
 
 
 def verify_result(cfg: Config, inputs: VerifyInputs, measured: dict[str, Retrained], ref: ReferenceCheck, *,
@@ -339,17 +379,24 @@ def verify_result(cfg: Config, inputs: VerifyInputs, measured: dict[str, Retrain
     ctls = [cmp(f"control-{i + 1}") for i in range(len(inputs.control_sets))]
     ctl_fr = [c["reverted_fraction"] for c in ctls if c["reverted_fraction"] is not None]
     if acc["reverted_fraction"] is None:
-        confirmed, reason = None, ("the reference retrain does not reproduce a capability change, so nothing can be "
-                                   "reverted")
+        removal = None, "the reference retrain does not reproduce a capability change, so nothing can be reverted"
     else:
-        confirmed, reason = decide(acc, ctls, base_m, tuned_m)
+        removal = decide(acc, ctls, base_m, tuned_m)
+    reproduction = judge(ref.distance if ref.summary is not None else None, ref.scores,
+                         [c["item_scores"] for c in ctls], inputs.base_scores, inputs.tuned_scores)
+    verdict, confirmed, reason = verdict_of(removal, reproduction)
     res = {
         "schema": SCHEMA, "metric": inputs.report.capability.metric, "n_items": len(inputs.base_scores),
         "n_rows": inputs.n_rows, "top_k": inputs.top_k, "top_k_rule": inputs.top_k_rule, "base": base_m,
+        "dropped": dropped_words(inputs.top_k, inputs.report.accused.count if inputs.report.accused is not None
+                                 else 0),
         "tuned": tuned_m, "original_tuned": float(np.mean(inputs.tuned_scores)), "confidence": e.confidence,
         "accused": acc, "controls": ctls, "control_mean_reverted": float(np.mean(ctl_fr)) if ctl_fr else None,
-        "reference": ref.summary, "confirmed": confirmed, "reason": reason, "rule": dict(RULE),
-        "recipe": inputs.recipe_path, "backend": backend_for(cfg, inputs.recipe),
+        "reference": ref.summary, "reproduction": reproduction.to_dict(), "verdict": verdict, "confirmed": confirmed,
+        "reason": reason, "rule": dict(RULE), "recipe": inputs.recipe_path,
+        "recipe_origin": ((inputs.recipe.origin or "gradian_recipe.json") if inputs.recipe is not None
+                          else "train.command"),
+        "backend": backend_for(cfg, inputs.recipe),
         "removal": removal_text(cfg, inputs.recipe),
         **({"train_log": str(log_path)} if log_path is not None else {}),
         "adapters": str(work) if keep_adapters else None,
