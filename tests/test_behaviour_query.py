@@ -107,11 +107,13 @@ def test_the_temperature_reaches_the_sampler_and_the_settings_reach_the_query(ti
         seen.update(k)
         return [() for _ in a[3]]
 
-    monkeypatch.setattr(behaviour, "sample_answers", fake)
+    from gradian import pipeline
+
+    monkeypatch.setattr(pipeline, "sample_answers", fake)
     cfg = SimpleNamespace(attribution=AttributionConfig(behaviour_samples=5, behaviour_temperature=0.3),
                           evaluation=SimpleNamespace(max_new_tokens=7), seed=2)
     s = SimpleNamespace(model=model, tokenizer=tok, eval_items=items, metric=metric, chat=True, one_line=False, cfg=cfg)
-    behaviour.behaviour_queries(s, qs, "regression")
+    pipeline.behaviour_queries(s, qs, "regression")
     assert (seen["n"], seen["temperature"], seen["max_new_tokens"], seen["seed"]) == (5, 0.3, 7, 2)
     assert AttributionConfig().behaviour_samples == 16 and AttributionConfig().behaviour_temperature == 0.7
 

@@ -45,8 +45,7 @@ from ..capability.evaluate import _stop_ids, answer_text
 from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "behaviour_queries",
-           "resolve_formulation"]
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "resolve_formulation"]
 
 SOURCES = ("tuned",)  # the models sampled (`sample_answers`)
 SAMPLING = {"top_k": 0, "top_p": 1.0}  # no truncation of the tempered distribution
@@ -143,17 +142,3 @@ def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:
     if setting is not QueryFormulation.auto:
         return setting
     return QueryFormulation.behaviour if metric.generative and metric.defines_class else QueryFormulation.contrastive
-
-
-def behaviour_queries(s, qitems: Sequence, direction: str) -> list:
-    """`attribution.query: behaviour` for an open session: the queries with their sampled answers
-    (`attribution.behaviour_samples` at `attribution.behaviour_temperature`; the call site is `pipeline.query_stage`,
-    after `query_items` and before the decisive tokens, which then run only for the items left with their own-words
-    query)."""
-    if not s.metric.generative:
-        return list(qitems)
-    a = s.cfg.attribution
-    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=a.behaviour_samples,
-                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line,
-                             sources=SOURCES, temperature=a.behaviour_temperature)
-    return with_samples(qitems, samples, direction)
