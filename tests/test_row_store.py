@@ -173,7 +173,8 @@ def test_a_later_question_shortlists_by_the_store(demo, tmp_path, backward_rows)
     np.testing.assert_allclose(got.scores.per_item[:, top], full.scores.per_item[:, top], rtol=1e-5, atol=1e-9)
     d = info.describe()
     assert d["exact_rows"] == info.exact and 0 <= d["shortlist"]["expected_missed"] < 0.05
-    assert "sketch errors" in d["shortlist"]["rule"]
+    # the sketch's errors on the rows scored both ways are its predicted spread (CountSketch variance), give or take
+    assert 0.7 < d["shortlist"]["calibration"] < 1.5 and "sketch error" in d["shortlist"]["rule"]
 
 
 def test_a_corrupt_or_foreign_store_is_not_trusted(demo, tmp_path, backward_rows):
@@ -207,8 +208,8 @@ def test_a_corrupt_or_foreign_store_is_not_trusted(demo, tmp_path, backward_rows
 def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path):
     """conversation4 (conversations ranked by exchange: the one pass, every row held) through `gradian attribute`:
     the first run leaves the store (in the cache the runs share); a rerun reads every score back (the same scores.npy); the same config with
-    another eval set (every other eval item) is scored from the store's shortlist, states its bound, and ranks its
-    top rows as a full pass over that eval set does (`attribution.store: full`)."""
+    another eval set (every other eval item) is scored from the store's shortlist, states its bound, and ranks the
+    same top rows as a full pass over that eval set does (`attribution.store: full`)."""
     from test_precondition import trained_scenario
 
     from gradian.attribution.scoring import rank
@@ -234,10 +235,11 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path):
     assert sl["mode"].startswith("per-row store") and sl["store"] == store
     # (on 100 tiny rows whose scores sit within the sketch's error of each other the shortlist takes them all; on
     # real rows it is a fraction: bench/real_models.py --second-question)
-    assert sl["exact_rows"] <= sl["unique_rows"] and "sketch errors" in sl["shortlist"]["rule"]
+    assert sl["exact_rows"] <= sl["unique_rows"] and "sketch error" in sl["shortlist"]["rule"]
     s2, sf = np.load(run / "second" / "scores.npy"), np.load(run / "full" / "scores.npy")
-    assert rank(s2, 10).tolist() == rank(sf, 10).tolist()
-    assert [r["position"] for r in second["ranking"]] == [r["position"] for r in full["ranking"]]
+    # the same top rows; their order can differ where two are close: items combine by their max robust z, whose
+    # median and scale the store's sketched rows estimate (`scoring.item_z` with their spread)
+    assert set(rank(s2, 10).tolist()) == set(rank(sf, 10).tolist()) and rank(s2, 3).tolist() == rank(sf, 3).tolist()
 
 
 def test_the_fused_sketches_are_the_count_sketches():

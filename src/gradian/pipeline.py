@@ -167,7 +167,7 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
         # count and the clusters keep the mean (`resolve_combine`). A projected index's exact re-rank keeps its
         # candidates first, by their max.
         mean_scores = scores
-        scores, strongest = strongest_items(sc.rank_item)
+        scores, strongest = strongest_items(sc.rank_item, sc.spread)
         scores = scores.astype(np.float32)
         cand = ranking.scored.rerank.cand
         order = None if sc.order is None else rerank_order(scores, cand, scores[cand])

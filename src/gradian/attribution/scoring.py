@@ -57,13 +57,31 @@ def aggregate(per_item: np.ndarray) -> np.ndarray:
     return per_item.mean(axis=0) if per_item.shape[0] else np.zeros(per_item.shape[1], dtype=np.float32)
 
 
-def item_z(rank_item: np.ndarray) -> np.ndarray:
+def item_z(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> np.ndarray:
     """Each item's scores [Q, N] as robust z-scores against that item's own rows (`accused.robust_z`: the median
-    and 1.4826 x MAD of the item's scores over every row), float64."""
+    and 1.4826 x MAD of the item's scores over every row), float64; `spread`: `item_z_scales`'."""
+    return item_z_scales(rank_item, spread)[0]
+
+
+def item_z_scales(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(`item_z`, each item's scale [Q]). With `spread` [Q, N] (the
+    errors of scores known only up to them: a later question's sketched rows, `attribution.shortlist`; 0 where
+    exact) the scale is the scores' own, sqrt(scale^2 - mean spread^2) (a floor of a quarter keeps a noise-dominated
+    item finite)."""
     from .accused import robust_z
 
-    return np.stack([robust_z(r)[0] for r in np.asarray(rank_item)]) if len(rank_item) else \
-        np.zeros((0, np.shape(rank_item)[1]))
+    s = np.asarray(rank_item, dtype=np.float64)
+    if not len(s):
+        return np.zeros((0, s.shape[1])), np.zeros(0)
+    z, scales = [], []
+    for k, row in enumerate(s):
+        zz, med, sc = robust_z(row)
+        if spread is not None and sc > 0:
+            sc = float(np.sqrt(max(sc ** 2 - float(np.mean(np.square(spread[k]))), (0.25 * sc) ** 2)))
+            zz = (row - med) / sc
+        z.append(zz)
+        scales.append(sc if sc > 0 else 1.0)
+    return np.stack(z), np.asarray(scales)
 
 
 def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
@@ -76,13 +94,14 @@ def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
     return strongest_items(rank_item)[0] if how == "max" else aggregate(rank_item)
 
 
-def strongest_items(rank_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def strongest_items(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
     """(each row's robust z on the item it stands out on most [N], that item's index [N]): `combine_items` max and
-    the item whose best exchange names a conversation's `turn`, from one z computation."""
+    the item whose best exchange names a conversation's `turn`, from one z computation (`item_z`, `spread` the
+    errors of sketched scores)."""
     if not len(rank_item):
         n = np.shape(rank_item)[1]
         return np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.int64)
-    z = item_z(rank_item)
+    z = item_z(rank_item, spread)
     return z.max(axis=0), z.argmax(axis=0)
 
 
@@ -135,3 +154,53 @@ def degenerate(query_norms: np.ndarray, scores: Optional[np.ndarray]) -> Optiona
         return ("attribution.flat_scores", f"every training row has the same score ({float(scores.flat[0]):.3g}) "
                 "or a score is not finite: the ranking would be arbitrary")
     return None
+
+
+class Combined:
+    """Each row's combined ranking score (`combine_items`) when each per-item score carries an error of spread
+    `sigma` [Q, N] (0 for a score known exactly): the per-item terms the combination adds (mean: the score / Q) or
+    takes the largest of (max: the score in robust z units of its item's rows, `item_z` with the errors' spread),
+    and their spreads in the same units. What a shortlist needs: the score, what a row could
+    reach (`upper`), and the chance it exceeds a cut (`exceed`, the errors taken as normal)."""
+
+    def __init__(self, rank_item: np.ndarray, sigma: np.ndarray, how: str):
+        s = np.asarray(rank_item, dtype=np.float64)
+        sigma = np.asarray(sigma, dtype=np.float64)
+        self.how = how
+        if how == "max":
+            self.terms, scale = item_z_scales(s, sigma)
+            unit = scale[:, None]
+        else:
+            unit = np.full((s.shape[0], 1), float(max(s.shape[0], 1)))
+            self.terms = s / unit
+        self.spread = np.asarray(sigma, dtype=np.float64) / unit
+
+    @property
+    def score(self) -> np.ndarray:
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        return self.terms.max(0) if self.how == "max" else self.terms.sum(0)
+
+    def upper(self, m: float) -> np.ndarray:
+        """What each row's combined score reaches with every item's error `m` spreads in its favour."""
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        if self.how == "max":
+            return (self.terms + m * self.spread).max(0)
+        return self.terms.sum(0) + m * self.spread.sum(0)
+
+    def exceed(self, cut: float) -> np.ndarray:
+        """P(a row's true combined score >= cut), its errors normal and (mean) fully correlated across items."""
+        from scipy.special import ndtr
+
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.how == "max":
+                below = np.where(self.spread > 0, ndtr((cut - self.terms) / self.spread),
+                                 (self.terms < cut).astype(np.float64))
+                return 1.0 - np.prod(below, axis=0)
+            spread = self.spread.sum(0)
+            score = self.terms.sum(0)
+            return np.where(spread > 0, ndtr((score - cut) / np.where(spread > 0, spread, 1.0)),
+                            (score >= cut).astype(np.float64))

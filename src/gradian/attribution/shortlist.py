@@ -1,20 +1,22 @@
 """A later question about the same fine-tune (another eval set, another metric, a forgotten item): the rows are not
 passed over again. A first pass left every row in the per-row store (`store.rowstore`): its norm in the
-preconditioner's metric and a CountSketch of its unit row in that metric, b = sqrt(w) g / |g|_w. A unit
-preconditioned query u scores that row as h <u, g> / |g|_w = h <u / sqrt(w), b>, so the sketches give every row's
-score up to the sketch's error (`sketched`); the rows that can rank in the top `top_k` are then scored exactly, from
-one backward each (`exact_rows`), until no row left out comes within `SHORTLIST_Z` measured sketch errors of the
-top-k cut (`shortlist`).
+preconditioner's metric and a CountSketch S b of its unit row in that metric, b = sqrt(w) g / |g|_w (w the diagonal
+of the preconditioner's inverse). A unit preconditioned query u scores that row as h <u, g> / |g|_w = h <a, b> with
+a = u / sqrt(w), so <S a, S b> estimates every row's score (`sketched`), with an error of spread
+sqrt((|a|^2 + <a, b>^2) / k) for a k-wide CountSketch (its variance, |b| = 1).
 
-What the shortlist can miss is stated, not assumed away: the spread of the sketch's error on the combined ranking
-score is measured on the rows scored both ways, and the expected number of rows left out that belong in the top
-k, were that error normal with that spread, is reported (`ShortlistInfo.describe`). Rows outside the shortlist keep
-their sketched scores (the report says how many rows are exact).
+The rows that can rank in the top `top_k` are then scored exactly, from one backward each (`exact_rows`), round by
+round (`shortlist`): first the top rows by their sketched ranking score, then every row whose ranking score
+(combined over the items as the run combines them, `scoring.Combined`) could reach the top-k cut with each item's
+error `SHORTLIST_Z` spreads in its favour, until none is left. The spread is the sketch's variance, checked on the
+rows scored both ways (`ShortlistInfo.calibration`: their errors over it, inflating it when larger). What the
+shortlist can miss is stated, not assumed away: the expected number of rows left out whose true ranking score
+reaches the cut, the errors taken as normal with those spreads. Rows outside the shortlist keep their sketched
+scores (the report says how many rows are exact).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -25,13 +27,13 @@ from ..setup.batches import length_order
 from .basis import inverse_norms, scaled_items
 from .one_pass import OnePass, PassState, best_turns, features_of, item_parts
 from .row_pass import exact_batches, norms_of
-from .scoring import aggregate, combine_items, rank
+from .scoring import Combined, aggregate, rank
 from .values import Basis, Exchanges, Scored, Scores
 
-SHORTLIST_MIN = 64  # rows scored exactly at least (and twice the top-k)
-SHORTLIST_Z = 4.0  # every row whose sketched score comes within this many sketch errors of the top-k cut
-SHORTLIST_ROUNDS = 6
-ITEM_TOP = 10  # each item's top rows (the report's per-item lists) are scored exactly too
+SHORTLIST_FIRST = 64  # the first round: this many rows (and twice the top-k) by their sketched ranking score
+SHORTLIST_Z = 3.0  # a row left out could not reach the cut with every item's error this many spreads in its favour
+SHORTLIST_ROUNDS = 8
+ITEM_TOP = 3  # each item's top rows are scored exactly too (spans and the per-item lists start there)
 
 
 @dataclass(frozen=True)
@@ -39,23 +41,24 @@ class ShortlistInfo:
     rows: int
     exact: int
     sketch_dim: int
-    error: float  # rms sketch error of the combined ranking score, on the rows scored both ways
-    cut: float  # the top-k cut: the k-th best combined score
+    calibration: float  # rms of the exact rows' sketch errors over their predicted spread
+    cut: float  # the top-k cut: the k-th best combined ranking score
     expected_missed: float
     top_k: int
+    rounds: int
     store: str
 
     def describe(self) -> dict:
+        rule = (f"the rows whose ranking score could reach the top-{self.top_k} cut with each item's sketch error "
+                f"{SHORTLIST_Z:g} spreads in its favour were scored exactly ({self.exact} of {self.rows}, "
+                f"{self.rounds} rounds); the others keep their sketched scores; were the errors normal with the "
+                f"sketch's spread (its errors on the rows scored both ways were {self.calibration:.2f} of it), "
+                f"{self.expected_missed:.2g} of the rows left out would belong in the top {self.top_k}")
         return {"mode": "per-row store of an earlier pass: shortlist scored exactly", "store": self.store,
                 "unique_rows": self.rows, "exact_rows": self.exact, "sketch_dim": self.sketch_dim,
-                "shortlist": {"top_k": self.top_k, "sketch_error": self.error, "cut": self.cut,
-                              "margin_errors": SHORTLIST_Z, "expected_missed": self.expected_missed,
-                              "rule": (f"every row whose sketched score comes within {SHORTLIST_Z:g} sketch errors "
-                                       f"({self.error:.3g}, measured on the {self.exact} rows scored both ways) of "
-                                       f"the top-{self.top_k} cut is scored exactly; the other rows keep their "
-                                       f"sketched scores; were the sketch's error normal with that spread, "
-                                       f"{self.expected_missed:.2g} of the rows left out would belong in the top "
-                                       f"{self.top_k}")}}
+                "shortlist": {"top_k": self.top_k, "cut": self.cut, "margin_spreads": SHORTLIST_Z,
+                              "calibration": self.calibration, "rounds": self.rounds,
+                              "expected_missed": self.expected_missed, "rule": rule}}
 
 
 @dataclass
@@ -67,8 +70,9 @@ class Rows:
     parts: dict
 
 
-def sketched(store, ps: PassState, n: int) -> Rows:
-    """Every row's inner products estimated from the store's sketches: <u, g> = <u / sqrt(w), b> |g|_w."""
+def sketched(store, ps: PassState, n: int) -> tuple[Rows, np.ndarray]:
+    """(every row's inner products estimated from the store's sketches: <u, g> = <a, b> |g|_w, and |a| of each
+    query [Q]: the spread of a unit score's sketch error is about |a| / sqrt(k))."""
     a = np.asarray(ps.unit, dtype=np.float64)
     w = ps.reducer.weights
     if w is not None:
@@ -82,7 +86,7 @@ def sketched(store, ps: PassState, n: int) -> Rows:
         if "t_owner" in arr:
             ti = (sa @ arr["t_sketch"].astype(np.float32).T) * arr["t_norms"][None, :].astype(np.float32)
             out.parts.update(item_parts(ti, arr["t_norms"], arr["t_owner"]))
-    return out
+    return out, np.linalg.norm(a, axis=1)
 
 
 def exact_rows(grads, ps: PassState, positions: Sequence[int], turns: Optional[Sequence]) -> Rows:
@@ -115,8 +119,19 @@ def _scores(rows: Rows, plan, settings) -> tuple[np.ndarray, np.ndarray, dict, O
 
 def _merge(into: Rows, got: Rows, positions: Sequence[int]) -> None:
     p = list(positions)
+    keep = set(p)
     into.inner[:, p], into.norms[p] = got.inner[:, p], got.norms[p]
-    into.parts.update({q: v for q, v in got.parts.items() if q in set(p)})
+    into.parts.update({q: v for q, v in got.parts.items() if q in keep})
+
+
+def _spread(rank_item: np.ndarray, amag: np.ndarray, norms: np.ndarray, exact: np.ndarray, k: int,
+            settings) -> np.ndarray:
+    """[Q, N]: each score's sketch error spread, sqrt((|a|^2 n^2 + s^2) / k) with n the row's norm (1 for unit
+    rows); 0 for a row scored exactly."""
+    n2 = 1.0 if settings.unit_rows else np.square(norms)[None, :]
+    sig = np.sqrt((np.square(amag)[:, None] * n2 + np.square(rank_item)) / k)
+    sig[:, exact] = 0.0
+    return sig
 
 
 def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Sequence], top_k: int
@@ -124,48 +139,49 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     """The scores of every row for a question the store's parts do not answer (module docstring)."""
     plan, n = ps.plan, len(grads.toks)
     copies = np.asarray(plan.copies)
-    approx = sketched(store, ps, n)
-    _, rank_a, _, _ = _scores(approx, plan, settings)
-    comb_a = combine_items(rank_a, settings.combine)
-    mixed = Rows(approx.inner.copy(), approx.norms.copy(), dict(approx.parts))
+    mixed, amag = sketched(store, ps, n)
+    k, K = min(top_k, n), int(ps.reducer.score.k)
     exact: set[int] = set()
-    k = min(top_k, n)
-    want = set(copies[rank(comb_a, max(SHORTLIST_MIN, 2 * k))].tolist())
-    want |= {int(copies[r]) for row in rank_a for r in rank(row, ITEM_TOP)}
-    error = cut = 0.0
-    for _ in range(SHORTLIST_ROUNDS):
+    _, rank_a, _, _ = _scores(mixed, plan, settings)
+    comb = Combined(rank_a, _spread(rank_a, amag, mixed.norms[copies], np.zeros(n, bool), K, settings),
+                    settings.combine)
+    want = set(copies[rank(comb.score, max(SHORTLIST_FIRST, 2 * k))].tolist())
+    calib, cut, rounds = 1.0, float("-inf"), 0
+    while want - exact and rounds < SHORTLIST_ROUNDS:
         new = sorted(want - exact)
-        if new:
-            _merge(mixed, exact_rows(grads, ps, new, turns), new)
-            exact |= set(new)
-        _, rank_m, _, _ = _scores(mixed, plan, settings)
-        comb_m = combine_items(rank_m, settings.combine)
+        _merge(mixed, exact_rows(grads, ps, new, turns), new)
+        exact |= set(new)
+        rounds += 1
         is_exact = np.isin(copies, list(exact))
-        error = float(np.sqrt(np.mean(np.square(comb_m[is_exact] - comb_a[is_exact])))) if is_exact.any() else 0.0
-        order = rank(comb_m)
-        cut = float(comb_m[order[k - 1]]) if k else float("inf")
-        band = np.flatnonzero(~is_exact & (comb_a >= cut - SHORTLIST_Z * error))
-        want = set(copies[band].tolist()) | set(copies[order[:k]].tolist())
-        want |= {int(copies[r]) for row in rank_m for r in rank(row, ITEM_TOP)}
-        if not (want - exact):
-            break
+        _, rank_m, _, _ = _scores(mixed, plan, settings)
+        calib = max(1.0, _calibration(rank_a, rank_m, is_exact, amag, mixed.norms[copies], K, settings))
+        comb = Combined(rank_m, calib * _spread(rank_m, amag, mixed.norms[copies], is_exact, K, settings),
+                        settings.combine)
+        order = rank(np.where(is_exact, comb.score, -np.inf))
+        cut = float(comb.score[order[k - 1]]) if k and is_exact.sum() >= k else float("-inf")
+        left = np.flatnonzero(~is_exact & (comb.upper(SHORTLIST_Z) >= cut))
+        left = left[np.argsort(-comb.upper(SHORTLIST_Z)[left], kind="stable")][: max(SHORTLIST_FIRST, 2 * k)]
+        want = exact | set(copies[left].tolist()) | {int(copies[r]) for row in rank_m for r in rank(row, ITEM_TOP)}
     per_item, rank_item, found, scale = _scores(mixed, plan, settings)
     is_exact = np.isin(copies, list(exact))
-    missed = _expected_missed(comb_a[~is_exact], cut, error)
-    info = ShortlistInfo(len(plan.unique), len(exact), int(ps.reducer.score.k), error, cut, missed, k,
-                         str(store.root))
-    st = Scored(Scores(per_item, rank_item, aggregate(rank_item)),
+    missed = float(comb.exceed(cut)[~is_exact].sum()) if np.isfinite(cut) else float((~is_exact).sum())
+    info = ShortlistInfo(len(plan.unique), len(exact), K, calib, cut, missed, k, rounds, str(store.root))
+    spread = calib * _spread(rank_item, amag, mixed.norms[copies], is_exact, K, settings)
+    st = Scored(Scores(per_item, rank_item, aggregate(rank_item), spread=spread),
                 Basis(ps.unit, ps.qnorms, ps.pre, settings.direction, scale), exchanges=Exchanges(found))
     features, agree = _features(store, plan, n)
     return st, OnePass(plan, ps.width, features, agree, str(store.root), 0), info
 
 
-def _expected_missed(approx: np.ndarray, cut: float, error: float) -> float:
-    """Sum over the rows left out of P(score >= cut) when the score is the sketched one plus a normal error."""
-    if error <= 0 or not approx.size:
-        return 0.0 if not approx.size or np.all(approx < cut) else float(np.sum(approx >= cut))
-    z = (approx.astype(np.float64) - cut) / error
-    return float(sum(0.5 * math.erfc(-x / math.sqrt(2.0)) for x in z))
+def _calibration(rank_a: np.ndarray, rank_m: np.ndarray, is_exact: np.ndarray, amag: np.ndarray,
+                 norms: np.ndarray, K: int, settings) -> float:
+    """rms over the rows scored both ways of their sketch errors over the predicted spread (1 when none)."""
+    if not is_exact.any():
+        return 1.0
+    sig = _spread(rank_a, amag, norms, np.zeros(is_exact.size, bool), K, settings)[:, is_exact]
+    err = (rank_a - rank_m)[:, is_exact]
+    ok = sig > 0
+    return float(np.sqrt(np.mean(np.square(err[ok] / sig[ok])))) if ok.any() else 1.0
 
 
 def _features(store, plan, n: int):
