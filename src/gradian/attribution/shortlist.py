@@ -9,7 +9,8 @@ The rows that can rank in the top `top_k` are then scored exactly, from one back
 round (`shortlist`): first the top rows by their sketched ranking score, then every row whose ranking score
 (combined over the items as the run combines them, `scoring.Combined`) could reach the top-k cut with each item's
 error `SHORTLIST_Z` spreads in its favour, until none is left. The spread is the sketch's variance, checked on the
-rows scored both ways (`ShortlistInfo.calibration`: their errors over it, inflating it when larger). What the
+rows scored both ways (`ShortlistInfo.calibration`: their errors over it, which scales it, by no less than
+`CALIBRATION_MIN`: the variance is a bound that concentrated vectors stay well under). What the
 shortlist can miss is stated, not assumed away: the expected number of rows left out whose true ranking score
 reaches the cut, the errors taken as normal with those spreads. Rows outside the shortlist keep their sketched
 scores (the report says how many rows are exact).
@@ -34,6 +35,7 @@ SHORTLIST_FIRST = 64  # the first round: this many rows (and twice the top-k) by
 SHORTLIST_Z = 3.0  # a row left out could not reach the cut with every item's error this many spreads in its favour
 SHORTLIST_ROUNDS = 8
 ITEM_TOP = 3  # each item's top rows are scored exactly too (spans and the per-item lists start there)
+CALIBRATION_MIN = 0.5  # the measured errors scale the predicted spread, down to half of it
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
         rounds += 1
         is_exact = np.isin(copies, list(exact))
         _, rank_m, _, _ = _scores(mixed, plan, settings)
-        calib = max(1.0, _calibration(rank_a, rank_m, is_exact, amag, mixed.norms[copies], K, settings))
+        calib = max(CALIBRATION_MIN, _calibration(rank_a, rank_m, is_exact, amag, mixed.norms[copies], K, settings))
         comb = Combined(rank_m, calib * _spread(rank_m, amag, mixed.norms[copies], is_exact, K, settings),
                         settings.combine)
         order = rank(np.where(is_exact, comb.score, -np.inf))
