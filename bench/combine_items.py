@@ -6,7 +6,7 @@ scores `attribute` computes.
 
 Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The script runs
 `attribute`'s own stages up to the scores (`pipeline.capability_stage`, `query_stage`, `rank_stage`, with the
-config's defaults) and keeps each item's ranking scores [Q, N] (`Scores.rank_item`: best window or exchange per item
+config's defaults) and keeps each item's ranking scores [Q, N] (`Ranking.per_item`: best window or exchange per item
 where the run ranks by them) in RUN/combine/rank_item.npy, reused by a later run (delete it after retraining). It
 then prints, per run, the AUPRC of the planted rows under each way of combining the items:
 
@@ -67,10 +67,7 @@ def rank_item(run: Path) -> tuple[np.ndarray, bool]:
         raise SystemExit(f"{run}: verdict {outcome.verdict}: nothing to rank")
     queries = query_stage(s, outcome)
     ranked = rank_stage(s, outcome, queries)
-    try:
-        ri = np.asarray(ranked.scored.scores.rank_item, dtype=np.float32)
-    finally:
-        ranked.scored.close()
+    ri = np.asarray(ranked.ranking.per_item, dtype=np.float32)
     own = all(q.own_words for q in queries.items)
     out.mkdir(exist_ok=True)
     np.save(f, ri)

@@ -315,12 +315,12 @@ def main(argv=None) -> int:
         # metric) would compare a different score, not the EK-FAC maths
         sc = score_adapter(s, ix, qitems, direction, preconditioner="ekfac", windows=False, unit_rows=False)
         t_g = time.process_time() - t0
-        G = np.asarray(sc.per_item, dtype=np.float64)
+        G = np.asarray(sc.scores.per_item, dtype=np.float64)
         t0 = time.process_time()
         sc_d = score_adapter(s, ix, qitems, direction, preconditioner="diagonal", windows=False, unit_rows=False)
         t_d = time.process_time() - t0
-        D = np.asarray(sc_d.per_item, dtype=np.float64)
-        info = sc.precond.describe()
+        D = np.asarray(sc_d.scores.per_item, dtype=np.float64)
+        info = sc.basis.precond.describe()
     finally:
         ix.close()
     if not kron:

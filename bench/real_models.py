@@ -21,7 +21,14 @@ process:
 * cost: one plain forward+backward over the training rows (batches of `grads.batch_size` sorted by length, the
   supervised loss, gradients of the LoRA weights) and one greedy generation of the eval items with the base and the
   fine-tune, CPU seconds measured here, side by side; the ratio is attribute's CPU over their sum, and each stage's
-  CPU seconds as a ratio to the plain pass.
+  CPU seconds as a ratio to the plain pass;
+* `--second-question`: another question on the same fine-tune (every other eval item) scored from the per-row store
+  the first run left, beside a full pass over the rows for that eval set: CPU seconds against the first run's, peak
+  RSS, and whether the two report the same top rows (`attribution.top_k`);
+* `--kill-resume`: `attribute` killed with SIGKILL once its store holds half the rows, then run again: whether its
+  scores.npy is byte for byte the uninterrupted run's.
+
+Each `attribute` starts without a per-row store (its cache's `rows/` is removed first), so it is a first pass.
 
 One torch thread throughout. Prints a table per section, then ONE JSON object as the last line.
 """
@@ -31,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -84,20 +91,25 @@ def prepare(name: str, work: Path) -> Path:
     return run
 
 
-def attribute_child(run: Path, sets: list[str]) -> dict:
-    """`gradian attribute` in a child process: its CPU seconds and peak RSS."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cmd = [sys.executable, "-m", "gradian", "attribute", str(run / "gradian.yaml"), "--set", f"output={OUT}"]
+def attribute_child(run: Path, sets: list[str], output: str | None = None) -> dict:
+    """`gradian attribute` in a child process: its own CPU seconds and peak RSS (`os.wait4`: this child's alone)."""
+    import tempfile
+
+    output = output or OUT  # read at call time: --smoke changes OUT
+    cmd = [sys.executable, "-m", "gradian", "attribute", str(run / "gradian.yaml"), "--set", f"output={output}"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.time()
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    wall = time.time() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if res.returncode != 0:
-        raise SystemExit(f"{run}: attribute failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    return {"wall_s": round(wall, 1), "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-            "peak_rss_mb": round(after.ru_maxrss / 1024, 0)}
+    with tempfile.TemporaryFile() as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        _, status, ru = os.wait4(p.pid, 0)
+        wall = time.time() - t0
+        if status != 0:
+            out.seek(0)
+            raise SystemExit(f"{run}: attribute failed:\n{out.read().decode(errors='replace')[-4000:]}")
+    return {"wall_s": round(wall, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+            "peak_rss_mb": round(ru.ru_maxrss / 1024, 0)}
 
 
 def figures(run: Path) -> dict:
@@ -209,6 +221,58 @@ def reference(run: Path) -> dict:
             "states": len(ck)}
 
 
+def second_question(run: Path, sets: list[str], first_cpu: float) -> dict:
+    """Another question on the same fine-tune: every other eval item, scored from the per-row store the first
+    `attribute` left (its cache shared), beside a full pass over the rows for that eval set (`attribution.store:
+    full`, which then rewrites the store); each one's CPU seconds and peak RSS, and whether their top
+    `attribution.top_k` rows agree."""
+    lines = (run / "eval.jsonl").read_text().splitlines()
+    (run / "eval-q2.jsonl").write_text("\n".join(lines[1::2]) + "\n")
+    both = [*sets, f"grads.cache_dir={run / 'bench-out' / 'index'}", "data.eval=eval-q2.jsonl"]
+    q2 = attribute_child(run, both, "bench-out-q2")
+    full = attribute_child(run, [*both, "attribution.store=full"], "bench-out-q2full")
+    a, b = (json.loads((run / d / "report.json").read_text()) for d in ("bench-out-q2", "bench-out-q2full"))
+    ta, tb = [r["position"] for r in a["ranking"]], [r["position"] for r in b["ranking"]]
+    sc = a.get("scoring") or {}
+    return {"cpu_s": q2["cpu_s"], "x_first": round(q2["cpu_s"] / first_cpu, 3), "peak_rss_mb": q2["peak_rss_mb"],
+            "full_cpu_s": full["cpu_s"], "verdict": a["verdict"], "full_verdict": b["verdict"],
+            "top_same_order": ta == tb, "top_same_set": set(ta) == set(tb), "top_k": len(tb),
+            "exact_rows": sc.get("exact_rows"), "unique_rows": sc.get("unique_rows"),
+            "expected_missed": (sc.get("shortlist") or {}).get("expected_missed"),
+            "timings_cpu": a.get("timings_cpu", {})}
+
+
+def kill_resume(run: Path, sets: list[str]) -> dict:
+    """`attribute` killed with SIGKILL once its per-row store holds half the rows, then run again on the same cache:
+    its scores.npy against the uninterrupted first run's, byte for byte, and the CPU seconds of the resumed run."""
+    import signal
+
+    cache = run / "bench-kill-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cmd = [sys.executable, "-m", "gradian", "attribute", str(run / "gradian.yaml"), "--set", "output=bench-out-kill",
+           "--set", f"grads.cache_dir={cache}"] + sum((["--set", x] for x in sets), [])
+    n = sum(1 for _ in open(run / "train.jsonl"))
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    done = 0
+    while p.poll() is None:
+        time.sleep(2)
+        for m in cache.glob("rows/*/manifest.json"):
+            try:
+                done = sum(int(x["rows"]) for x in json.loads(m.read_text())["parts"])
+            except (OSError, ValueError, KeyError):
+                continue
+        if done >= n / 2:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            break
+    killed = p.returncode == -signal.SIGKILL
+    resumed = attribute_child(run, [*sets, f"grads.cache_dir={cache}"], "bench-out-kill")
+    same = (run / "bench-out-kill" / "scores.npy").read_bytes() == (run / "bench-out" / "scores.npy").read_bytes()
+    return {"killed": killed, "rows_stored_at_kill": done, "rows": n, "resumed_cpu_s": resumed["cpu_s"],
+            "scores_identical": same}
+
+
 def plain_costs(run: Path) -> dict:
     """CPU seconds of one plain forward+backward over the training rows and of one greedy generation of the eval
     items with the base and the fine-tune."""
@@ -251,6 +315,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="bench/_smoke.py's tiny scenario in place of the real ones (no registry model): every step "
                          "after the fine-tune, in seconds; checks the script")
+    ap.add_argument("--second-question", action="store_true",
+                    help="ask every other eval item of the store the first run left, beside a full pass")
+    ap.add_argument("--kill-resume", action="store_true",
+                    help="kill an attribute with SIGKILL at half way, resume it, compare its scores")
     args = ap.parse_args()
     global OUT
     if args.smoke:
@@ -261,7 +329,14 @@ def main() -> None:
     for name in [x for x in args.scenarios.split(",") if x]:
         run = tiny_run() if args.smoke else prepare(name, args.work)
         log(f"{name}: attribute")
+        shutil.rmtree(run / "bench-out" / "index" / "rows", ignore_errors=True)  # a first pass, not a rerun
         r = {"run": str(run), **attribute_child(run, args.set), **figures(run)}
+        if args.second_question:
+            log(f"{name}: a second question (every other eval item) from the per-row store, and a full pass")
+            r["second_question"] = second_question(run, args.set, r["cpu_s"])
+        if args.kill_resume:
+            log(f"{name}: attribute killed at half way, then resumed")
+            r["kill_resume"] = kill_resume(run, args.set)
         if r["verdict"] == "attributed" and r["planted"]:
             if not args.skip_baselines:
                 log(f"{name}: baselines")
@@ -292,6 +367,18 @@ def main() -> None:
               f"{fmt(b.get('gradcos', {}).get('auprc'))} | "
               f"{fmt(r.get('reference', {}).get('auprc'))} | {r['cpu_s']} | {fmt(r.get('cost_ratio'), 2)} | "
               f"{r['peak_rss_mb']:.0f} |")
+    for name, r in results.items():
+        q = r.get("second_question")
+        if q:
+            print(f"\n{name}: second question {q['cpu_s']} CPU s = {q['x_first']:.3f} x the first "
+                  f"(full pass {q['full_cpu_s']} CPU s), {q['exact_rows']} of {q['unique_rows']} rows exact, top "
+                  f"{q['top_k']} {'the same' if q['top_same_order'] else 'NOT the same'} as the full pass "
+                  f"(set {'equal' if q['top_same_set'] else 'differs'}), expected missed {q['expected_missed']}, "
+                  f"peak RSS {q['peak_rss_mb']:.0f} MB")
+        k = r.get("kill_resume")
+        if k:
+            print(f"{name}: killed at {k['rows_stored_at_kill']} of {k['rows']} rows stored ({k['killed']}), "
+                  f"resumed in {k['resumed_cpu_s']} CPU s, scores {'bit-identical' if k['scores_identical'] else 'DIFFER'}")
     print("\nper stage, CPU s / one plain forward+backward over the rows:")
     for name, r in results.items():
         if "stage_ratio" in r:

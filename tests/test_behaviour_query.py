@@ -83,6 +83,41 @@ def test_samples_are_seeded_and_labelled_by_the_metric(tiny):
     assert c != a
 
 
+def test_items_sampled_together_draw_what_each_items_own_generate_draws(tiny, monkeypatch):
+    """`sample_answers` draws several items in one left-padded `generate` call, each from its own generator: every
+    item's answers are those of `model.generate(do_sample=True)` on its prompt alone, seeded as the item's own call
+    always was (the sampler before items were batched), and one item per call draws the same."""
+    from gradian.attribution import behaviour
+    from gradian.capability.evaluate import _stop_ids, answer_text
+    from gradian.setup.tokenize import eval_prompt_ids
+
+    model, tok = tiny
+    items = [EvalItem(f"eval-{i}", i, "x", messages=[{"role": "user", "content": q}]) for i, q in
+             enumerate(["Where does Rodrol live?", "What does Tato keep in his small house by the sea?", "Why?"])]
+    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)
+    n, temp, seed = 4, 1.0, 3
+    kw = dict(chat=True, n=n, max_new_tokens=6, seed=seed, one_line=False, temperature=temp)
+    got = sample_answers(model, tok, items, qs, metric, **kw)
+    stops = _stop_ids(tok, model, True)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for it, samples in zip(items, got):
+        ids = torch.tensor([eval_prompt_ids(tok, it, True)])
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 2 * it.position)
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+        seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temp,
+                              top_k=0, top_p=1.0, num_return_sequences=n, max_new_tokens=6, pad_token_id=pad,
+                              eos_token_id=stops or None)
+        want = []
+        for row in seqs[:, ids.shape[1]:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in stops), len(row))
+            want.append(answer_text(tok, row[:cut]))
+        assert [s.text for s in samples] == want
+    assert any(len({s.text for s in x}) > 1 for x in got)  # draws, not one answer n times
+    monkeypatch.setattr(behaviour, "SAMPLE_ROWS", n)  # one item per call
+    assert sample_answers(model, tok, items, qs, metric, **kw) == got
+
+
 def test_the_temperature_reaches_the_sampler_and_the_settings_reach_the_query(tiny, monkeypatch):
     from types import SimpleNamespace
 
@@ -107,11 +142,13 @@ def test_the_temperature_reaches_the_sampler_and_the_settings_reach_the_query(ti
         seen.update(k)
         return [() for _ in a[3]]
 
-    monkeypatch.setattr(behaviour, "sample_answers", fake)
+    from gradian import pipeline
+
+    monkeypatch.setattr(pipeline, "sample_answers", fake)
     cfg = SimpleNamespace(attribution=AttributionConfig(behaviour_samples=5, behaviour_temperature=0.3),
                           evaluation=SimpleNamespace(max_new_tokens=7), seed=2)
     s = SimpleNamespace(model=model, tokenizer=tok, eval_items=items, metric=metric, chat=True, one_line=False, cfg=cfg)
-    behaviour.behaviour_queries(s, qs, "regression")
+    pipeline.behaviour_queries(s, qs, "regression")
     assert (seen["n"], seen["temperature"], seen["max_new_tokens"], seen["seed"]) == (5, 0.3, 7, 2)
     assert AttributionConfig().behaviour_samples == 16 and AttributionConfig().behaviour_temperature == 0.7
 

@@ -121,7 +121,7 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
         c.attribution.checkpoints = 1
         s = open_session(c)
         ix = index_stage(s)
-        per.append(score_adapter(s, ix, q, direction).rank_item)
+        per.append(score_adapter(s, ix, q, direction).scores.rank_item)
         ix.close()
     how = rep["query"]["combine"]  # the items combined as the run resolved attribution.combine
     assert how in ("mean", "max")

@@ -38,10 +38,9 @@ def demo(tmp_path_factory):
 
 
 def _grads(s):
-    from gradian.attribution.engine import ModelGradients
-    from gradian.attribution.stage import exact_capture
+    from gradian.model_side import gradients_of
 
-    return ModelGradients.from_session(s, exact_capture(s))
+    return gradients_of(s)
 
 
 def _settings(s, direction, **kw):
@@ -59,15 +58,17 @@ def test_every_row_held_is_the_exact_index(demo, kind):
     ref = score_adapter(s, ix, qitems, direction, preconditioner=kind, windows=False)
     sc, op = score_one_pass(_grads(s), qitems, _settings(s, direction, preconditioner=kind))
     assert op.plan.all_held and len(op.plan.held) == len(op.plan.unique)
-    np.testing.assert_allclose(sc.per_item, ref.per_item, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(sc.norms, ref.norms, rtol=1e-5)
-    assert np.array_equal(np.argsort(-sc.rank_agg, kind="stable")[:20], np.argsort(-ref.rank_agg, kind="stable")[:20])
+    np.testing.assert_allclose(sc.scores.per_item, ref.scores.per_item, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sc.basis.norms, ref.basis.norms, rtol=1e-5)
+    assert np.array_equal(np.argsort(-sc.scores.rank_agg, kind="stable")[:20],
+                          np.argsort(-ref.scores.rank_agg, kind="stable")[:20])
 
 
 def test_streamed_rows_score_against_the_sample_preconditioner(demo):
     """A budget that holds 64 rows: the diagonal is the sample's second moment, and every row (held or streamed)
     scores as the exact rows would against that preconditioner."""
-    from gradian.attribution.one_pass import HELD_MIN_ROWS, fit_on, preconditioned_units, score_one_pass
+    from gradian.attribution.basis import fit_preconditioner, preconditioned_units
+    from gradian.attribution.one_pass import HELD_MIN_ROWS, score_one_pass
     from gradian.attribution.scoring import harm_factor
     from gradian.grads.layout import exact_widths
     from gradian.store.rows import RowSource
@@ -76,17 +77,17 @@ def test_streamed_rows_score_against_the_sample_preconditioner(demo):
     grads = _grads(s)
     sc, op = score_one_pass(grads, qitems, _settings(s, direction), memory_bytes=1)
     assert len(op.plan.held) == HELD_MIN_ROWS and op.plan.streamed
-    assert op.sketches is not None and op.sketches.shape[0] == len(s.toks)
+    assert isinstance(op.features, np.ndarray) and op.features.shape[0] == len(s.toks)  # sketches: clusters
     rows = ix.rows  # exact index rows, training order
     where = {k: i for i, k in enumerate(ix.row_keys)}
     held = RowSource(np.stack([rows.subset([p]).read(0, 1)[0] for p in op.plan.held]).astype(np.float32))
-    pre = fit_on("diagonal", None, held, exact_widths(s.sites))
+    pre = fit_preconditioner("diagonal", None, held, exact_widths(s.sites))
     q = grads.query_vectors(qitems, exact=True)
     unit, _ = preconditioned_units(q, pre)
     inner = rows.inner(unit)
     norms = rows.row_norms(pre.metric_weights())
     want = harm_factor(direction) * inner / norms[None, :]
-    np.testing.assert_allclose(sc.per_item, want, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(sc.scores.per_item, want, rtol=2e-4, atol=1e-6)
     assert len(where) <= len(s.toks)
 
 
@@ -99,7 +100,7 @@ def test_a_row_score_is_its_naive_gradient_against_the_query(demo):
 
     s, _, qitems, direction, truth = demo
     sc, _ = score_one_pass(_grads(s), qitems, _settings(s, direction))
-    w = sc.precond.metric_weights()
+    w = sc.basis.precond.metric_weights()
     for p in truth["planted"][:2] + [0]:
         t = s.toks[p]
         ids = torch.tensor([t.input_ids])
@@ -110,8 +111,8 @@ def test_a_row_score_is_its_naive_gradient_against_the_query(demo):
             per_example_loss(s.model, ids, attn, sup).sum().backward()
         g = torch.cat([torch.cat([x.A.weight.grad.flatten(), x.B.weight.grad.flatten()]) for x in s.sites])
         g = g.double().numpy()
-        want = harm_factor(direction) * (sc.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w)
-        np.testing.assert_allclose(sc.per_item[:, p], want, rtol=1e-3, atol=1e-6)
+        want = harm_factor(direction) * (sc.basis.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w)
+        np.testing.assert_allclose(sc.scores.per_item[:, p], want, rtol=1e-3, atol=1e-6)
     s.model.zero_grad(set_to_none=True)
 
 
@@ -123,7 +124,8 @@ def test_a_conversation_is_ranked_by_its_best_exchange(demo):
 
     from test_capture import _naive_segment_grads
 
-    from gradian.attribution.one_pass import position_turns, score_one_pass
+    from gradian.attribution.one_pass import score_one_pass
+    from gradian.attribution.row_pass import position_turns
     from gradian.attribution.scoring import harm_factor
     from gradian.grads.objectives import naive_per_example_loss
     from gradian.setup.alignment import token_exchanges
@@ -145,9 +147,10 @@ def test_a_conversation_is_ranked_by_its_best_exchange(demo):
     grads = replace(_grads(s), toks=toks)
     sc, _ = score_one_pass(grads, qitems, _settings(s, direction), turns=turns)
     whole, _ = score_one_pass(grads, qitems, _settings(s, direction, per_turn=False))
-    assert np.array_equal(sc.per_item, whole.per_item) and np.array_equal(whole.rank_item, whole.per_item)
-    assert not np.array_equal(sc.rank_item, sc.per_item)
-    w = sc.precond.metric_weights()
+    assert np.array_equal(sc.scores.per_item, whole.scores.per_item)
+    assert np.array_equal(whole.scores.rank_item, whole.scores.per_item)
+    assert not np.array_equal(sc.scores.rank_item, sc.scores.per_item)
+    w = sc.basis.precond.metric_weights()
     for p in (1, 5):
         t = toks[p]
         ids = torch.tensor(t.input_ids)
@@ -163,12 +166,12 @@ def test_a_conversation_is_ranked_by_its_best_exchange(demo):
                 for h in handles:
                     h.remove()
             g = torch.cat([x.flatten() for x in g]).double().numpy()
-            want.append(harm_factor(direction) * (sc.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w))
+            want.append(harm_factor(direction) * (sc.basis.unit.astype(np.float64) @ g) / np.sqrt((g * g) @ w))
         want = np.stack(want, axis=1)  # [Q, U]
-        np.testing.assert_allclose(sc.turns[p]["scores"], want, rtol=2e-3, atol=1e-6)
-        np.testing.assert_allclose(sc.rank_item[:, p], want.max(1), rtol=2e-3, atol=1e-6)
-        assert np.array_equal(sc.turns[p]["best"], want.argmax(1))
-        np.testing.assert_allclose(sc.rank_agg[p], want.max(1).mean(), rtol=2e-3, atol=1e-6)
+        np.testing.assert_allclose(sc.exchanges.found[p]["scores"], want, rtol=2e-3, atol=1e-6)
+        np.testing.assert_allclose(sc.scores.rank_item[:, p], want.max(1), rtol=2e-3, atol=1e-6)
+        assert np.array_equal(sc.exchanges.found[p]["best"], want.argmax(1))
+        np.testing.assert_allclose(sc.scores.rank_agg[p], want.max(1).mean(), rtol=2e-3, atol=1e-6)
 
 
 def test_the_ranking_row_names_the_exchange_the_ranking_took():

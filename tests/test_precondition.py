@@ -161,11 +161,9 @@ def _per_item_scores(run: Path, cfg_path: Path, settings, *, checkpoints: bool =
     """Per-item scores for each (preconditioner, damping), through pipeline.score_adapter on one session: at the final
     adapter alone, or (checkpoints=True) averaged over the adapter's saved epoch checkpoints as `attribute` reports
     them by default (attribution.checkpoints: auto)."""
-    from gradian.attribution.checkpoints import over_checkpoints
-    from gradian.attribution.engine import ScoringSettings
     from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
-    from gradian.pipeline import evaluate, index_stage, score_adapter
+    from gradian.pipeline import evaluate, index_stage, score_adapter, score_stage
     from gradian.setup.session import open_session
 
     # the figures the damping was chosen on: scores averaged over the saved epoch checkpoints (`auto`)
@@ -173,16 +171,19 @@ def _per_item_scores(run: Path, cfg_path: Path, settings, *, checkpoints: bool =
     cap = evaluate(s)
     failing, direction = select_failing(cap, s.eval_items)
     qitems = query_items(cap, s.eval_items, failing, "contrastive")
-    ix = index_stage(s)
+    # score_stage opens the indexes of the states it scores itself: an index held open here would hold its lock
+    ix = None if checkpoints else index_stage(s)
     out = {}
     for kind, damping in settings:
-        sc = score_adapter(s, ix, qitems, direction, preconditioner=kind, damping=damping)
         if checkpoints:
-            settings_k = ScoringSettings.from_config(s.cfg, direction, preconditioner=kind, damping=damping)
-            sc, entry = over_checkpoints(s, sc, qitems, settings_k)
-            assert entry["source"] == "saved"
-        out[(kind, damping)] = sc.per_item
-    ix.close()
+            ranking = score_stage(s, qitems, direction, preconditioner=kind, damping=damping)
+            assert ranking.source.entry["source"] == "saved"
+            out[(kind, damping)] = ranking.totals
+        else:
+            out[(kind, damping)] = score_adapter(s, ix, qitems, direction, preconditioner=kind,
+                                                 damping=damping).scores.per_item
+    if ix is not None:
+        ix.close()
     return out, json.loads((run / "truth.json").read_text()), qitems
 
 

@@ -206,30 +206,31 @@ def demo_long(tmp_path_factory):
 
 def test_long_row_is_ranked_by_its_best_window(demo_long):
     from gradian.attribution.engine import ModelGradients
+    from gradian.model_side import gradients_of
     from gradian.attribution.rerank import parameter_directions
     from gradian.attribution.scoring import aggregate
     from gradian.attribution.windows import best_window
 
     s, sc, qitems, truth, p_long, ix = demo_long
     assert s.toks[p_long].n_supervised > 128 and not s.toks[p_long].truncated
-    assert sc.long_rows == [p_long] and sc.window_item_rows == [p_long]
-    win = sc.windows[p_long]
-    total = aggregate(sc.per_item)[p_long]
+    assert sc.windows.long_rows == (p_long,) and sc.windows.item_rows == (p_long,)
+    win = sc.windows.found[p_long]
+    total = aggregate(sc.scores.per_item)[p_long]
     assert _rel(win["total"], total) < 1e-4  # the per-token contributions add up to the index score
     # the ranking score of the long row is its best window, per item and in aggregate; every other row keeps its total
-    res = ModelGradients.from_session(s, ix.capture).contributions(
-        parameter_directions(sc, ix.capture.projector, False), [p_long])
+    res = gradients_of(s, ix.capture).contributions(
+        parameter_directions(sc.basis, sc.rerank, ix.capture.projector, False), [p_long])
     # unit rows (the default): a row's scores are its contributions times 1 / its norm
-    cs = np.stack([res[(p_long, k)] for k in range(len(qitems))]) * sc.scale_of(p_long)
+    cs = np.stack([res[(p_long, k)] for k in range(len(qitems))]) * sc.basis.scale_of(p_long)
     for k in range(len(qitems)):
         # float32 scores of a long row whose token contributions cancel: the error is relative to their magnitude
-        assert abs(cs[k].sum() - sc.per_item[k, p_long]) < 1e-5 * np.abs(cs[k]).sum()
-        assert sc.rank_item[k, p_long] == pytest.approx(best_window(cs[k])[0])
+        assert abs(cs[k].sum() - sc.scores.per_item[k, p_long]) < 1e-5 * np.abs(cs[k]).sum()
+        assert sc.scores.rank_item[k, p_long] == pytest.approx(best_window(cs[k])[0])
     # float32 aggregation of per-item windows vs float64 here: agree to float32 precision
-    assert sc.rank_agg[p_long] == pytest.approx(best_window(cs.mean(0))[0], rel=1e-4)
-    assert sc.rank_agg[p_long] == pytest.approx(win["score"], rel=1e-4)
-    others = np.arange(len(sc.rank_agg)) != p_long
-    np.testing.assert_array_equal(sc.rank_agg[others], aggregate(sc.per_item)[others])
+    assert sc.scores.rank_agg[p_long] == pytest.approx(best_window(cs.mean(0))[0], rel=1e-4)
+    assert sc.scores.rank_agg[p_long] == pytest.approx(win["score"], rel=1e-4)
+    others = np.arange(len(sc.scores.rank_agg)) != p_long
+    np.testing.assert_array_equal(sc.scores.rank_agg[others], aggregate(sc.scores.per_item)[others])
     a, b = win["tokens"]
     assert b - a == 128
     from gradian.explain.spans import window_char_range
@@ -242,16 +243,17 @@ def test_long_row_is_ranked_by_its_best_window(demo_long):
 
 
 def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
-    from gradian.attribution.stage import Scored, ScoreSource
+    from gradian.attribution.stage import Ranking, ScoreSource, StateRows
     from gradian.explain.spans import SPANS_PER_ROW
     from gradian.pipeline import spans_stage
 
     s, sc, qitems, truth, p_long, ix = demo_long
     planted = truth["planted"]
     rows = [{"position": p} for p in planted[:3] + [p_long]]
-    scored = Scored(sc, ScoreSource("exact_index", ("final",), (s.adapter_path,)), ix.capture.projector, ix.rows, {})
+    ranking = Ranking(sc, ScoreSource("exact_index", ("final",), (s.adapter_path,)),
+                      StateRows("exact_index", ix.capture.projector, ix.rows, {}, lambda: None))
     given = [dict(r) for r in rows]
-    found = spans_stage(s, scored, rows, qitems)
+    found = spans_stage(s, ranking, rows, qitems)
     assert rows == given  # the ranking rows are not edited: the drill-down returns what it adds
     spans, rows = found.spans, [found.row(r) for r in rows]
     pos_item = {q.item: k for k, q in enumerate(qitems)}
@@ -260,8 +262,8 @@ def test_spans_add_up_and_land_on_the_planted_answer(demo_long):
         p, k = r["position"], pos_item[ts["item"]]
         # forward-mode token contributions summed against the reverse-mode index score, both float32: 1.1e-5
         # relative apart under ATEN_CPU_CAPABILITY=default, 1e-6 natively
-        assert _rel(ts["item_score"], sc.per_item[k, p]) < 1e-4, (p, ts["item_score"], sc.per_item[k, p])
-        assert k == int(np.argmax(sc.rank_item[:, p]))  # against the item the row harms most
+        assert _rel(ts["item_score"], sc.scores.per_item[k, p]) < 1e-4, (p, ts["item_score"], sc.scores.per_item[k, p])
+        assert k == int(np.argmax(sc.scores.rank_item[:, p]))  # against the item the row harms most
         text = s.examples[p].plain_text()
         assert text[ts["start"] : ts["end"]] == ts["text"]
         mine = [sp for sp in spans if sp["position"] == p]
@@ -274,6 +276,7 @@ def test_projected_index_with_preconditioner_reranks_consistently(demo_long, tmp
     """With a projected index and a preconditioner, a re-ranked candidate's exact score is <r, P(g)> + <e, g>: the
     parameter-space direction P^T r + e reproduces it token by token, and the fidelity check still runs."""
     from gradian.attribution.engine import ModelGradients
+    from gradian.model_side import gradients_of
     from gradian.attribution.queries import query_items, select_failing
     from gradian.attribution.rerank import parameter_directions
     from gradian.config import load_config
@@ -293,23 +296,23 @@ def test_projected_index_with_preconditioner_reranks_consistently(demo_long, tmp
     assert not proj.exact
     sc = score_adapter(s, ix, qitems, direction)
     ix.close()
-    grads = ModelGradients.from_session(s, ix.capture)
-    assert sc.cand.size == 12 and sc.r is not None and sc.e is not None and sc.fidelity is not None
-    assert sc.order[:12].tolist() == sc.cand[np.argsort(-sc.rank_agg[sc.cand], kind="stable")].tolist()
-    dirs = parameter_directions(sc, proj, exact_part=True)
-    rows = [int(p) for p in sc.cand[:3]]
+    grads = gradients_of(s, ix.capture)
+    assert sc.rerank.cand.size == 12 and sc.rerank.r is not None and sc.rerank.e is not None and sc.rerank.fidelity is not None
+    assert sc.scores.order[:12].tolist() == sc.rerank.cand[np.argsort(-sc.scores.rank_agg[sc.rerank.cand], kind="stable")].tolist()
+    dirs = parameter_directions(sc.basis, sc.rerank, proj, exact_part=True)
+    rows = [int(p) for p in sc.rerank.cand[:3]]
     res = grads.contributions(dirs, rows)
     for p in rows:
         for k in range(len(qitems)):
-            c = res[(p, k)] * sc.scale_of(p)  # unit rows: contributions times 1 / the row's norm
+            c = res[(p, k)] * sc.basis.scale_of(p)  # unit rows: contributions times 1 / the row's norm
             # float32 scores against float64 sums: 1e-3 of the contributions' magnitude holds on every kernel path
-            assert abs(c.sum() - sc.per_item[k, p]) < 1e-3 * max(np.abs(c).sum(), 1e-6)
+            assert abs(c.sum() - sc.scores.per_item[k, p]) < 1e-3 * max(np.abs(c).sum(), 1e-6)
     # a non-candidate keeps its projected score, reproduced by P^T w
-    other = int(next(p for p in range(len(keys)) if p not in set(sc.cand.tolist()) and s.toks[p].n_supervised))
-    res = grads.contributions(parameter_directions(sc, proj, exact_part=False), [other])
+    other = int(next(p for p in range(len(keys)) if p not in set(sc.rerank.cand.tolist()) and s.toks[p].n_supervised))
+    res = grads.contributions(parameter_directions(sc.basis, sc.rerank, proj, exact_part=False), [other])
     for k in range(len(qitems)):
-        c = res[(other, k)] * sc.scale_of(other)
-        assert abs(c.sum() - sc.per_item[k, other]) < 1e-3 * max(np.abs(c).sum(), 1e-6)
+        c = res[(other, k)] * sc.basis.scale_of(other)
+        assert abs(c.sum() - sc.scores.per_item[k, other]) < 1e-3 * max(np.abs(c).sum(), 1e-6)
 
 
 def test_every_row_reranked_skips_the_projected_windows_and_gives_the_same_scores(demo_long, tmp_path, monkeypatch):
@@ -318,6 +321,7 @@ def test_every_row_reranked_skips_the_projected_windows_and_gives_the_same_score
     (one per long row and item instead of two)."""
     import gradian.attribution.windows as win
     from gradian.attribution.engine import ModelGradients
+    from gradian.model_side import gradients_of
     from gradian.attribution.queries import query_items, select_failing
     from gradian.config import load_config
     from gradian.pipeline import evaluate, index_stage, score_adapter
@@ -349,11 +353,11 @@ def test_every_row_reranked_skips_the_projected_windows_and_gives_the_same_score
     n_full = sum(jobs)
     ix.close()
     long_rows = win.long_rows(s.toks)
-    assert long_rows and skipped.long_rows == full.long_rows == long_rows
+    assert long_rows and list(skipped.windows.long_rows) == list(full.windows.long_rows) == long_rows
     assert n_skipped == len(long_rows) * len(qitems) and n_full == 2 * n_skipped
-    assert skipped.cand.size == full.cand.size == len(s.toks)
+    assert skipped.rerank.cand.size == full.rerank.cand.size == len(s.toks)
     for name in ("per_item", "rank_item", "rank_agg", "order"):
-        assert np.array_equal(getattr(skipped, name), getattr(full, name)), name
-    assert skipped.windows == full.windows and skipped.window_item_rows == full.window_item_rows
-    assert skipped.fidelity == full.fidelity
-    assert skipped.window_items and full.window_items
+        assert np.array_equal(getattr(skipped.scores, name), getattr(full.scores, name)), name
+    assert skipped.windows.found == full.windows.found and skipped.windows.item_rows == full.windows.item_rows
+    assert skipped.rerank.fidelity == full.rerank.fidelity
+    assert skipped.windows.all_items and full.windows.all_items

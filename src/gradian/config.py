@@ -194,6 +194,11 @@ class AttributionConfig(_Section):
     # for every other query (a behaviour's items share one cause, and the mean averages out each item's noise). The
     # accused count is always the mean's (`accused`).
     combine: Literal["auto", "mean", "max"] = "auto"
+    # The per-row store the one pass leaves under grads.cache_dir (keyed by the model, the adapter state, the data
+    # and the scoring settings): a killed pass resumes from it, a rerun reads its scores back, and a later question
+    # (another eval set or metric) is, with shortlist (the default), scored exactly on the rows the store's sketches
+    # shortlist (with a stated bound on what that can miss); full passes over every row again; off keeps no store.
+    store: Literal["shortlist", "full", "off"] = "shortlist"
     # attribution.query: behaviour: answers sampled per failing item from the fine-tune, and their temperature.
     # 16 at 0.7: the query is a Monte Carlo mean over the behaviour's wordings; 8 answers, or temperature 1's
     # garbled ones, left one planted row of 8-10 at the ranking's edge on some draws (bench/README.md).

@@ -4,28 +4,34 @@ next one reads.
     open_session, checks -> capability_stage: Outcome -> query_stage: Queries -> rank_stage: Ranked
     -> explain_stage: Explanation -> report.assemble.to_report(Attribution) -> report.json, scores.npy, report.html
 
-The scores come from `attribution.stage.scores_for`, the one place that decides which scores a run reports (also
-`fidelity`'s and the benches'). `evaluate` and `index_stage` are also the `evaluate` and `index` verbs.
+The scores come from `attribution.stage.scores_for` over the session's model side (`score_stage`), the one place that
+decides which scores a run reports (also `fidelity`'s and the benches'). `evaluate` and `index_stage` are also the
+`evaluate` and `index` verbs.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from .attribution.accused import Accusation, accuse, nobody
-from .attribution.behaviour import behaviour_queries, resolve_formulation
+from .attribution.behaviour import SOURCES, resolve_formulation, sample_answers, with_samples
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
-from .attribution.engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
+from .attribution.engine import ScoringSettings, block_dims_of, scaled_contributions
+from .attribution.indexed import score_index
 from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
 from .attribution.rerank import parameter_directions, rerank_order
-from .attribution.scoring import Scores, aggregate, degenerate, rank, resolve_combine, strongest_items
-from .attribution.stage import WINDOW_ROWS, Scored, scores_for, spans_context
+from .attribution.scoring import aggregate, degenerate, rank, resolve_combine, strongest_items
+from .attribution.stage import Ranking, scores_for
+from .attribution.values import Scored
+from .attribution.windows import WINDOW_ROWS
 from .capability.evaluate import CapabilityResult, measure_capability
-from .checks.convergence import flag_from_index
+from .checks.convergence import flag_from_agreement, flag_from_index
 from .config import Config, QueryFormulation, dump_config
 from .distributed import current
 from .verdict import Verdict
@@ -36,6 +42,7 @@ from .explain.spans import RankingSpans, spans_for, window_char_range
 from .grads.capture import GradientCapture
 from .io import atomic_save_npy, atomic_write_text
 from .memory import memory_guard
+from .model_side import ModelSide, gradients_of
 from .report.assemble import to_report, totals_of
 from .results import Attribution, Explanation, Outcome, Queries, Ranked
 from .report.build import capability_json, preview, write_report
@@ -121,6 +128,19 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
     return Queries(tuple(qitems), texts, formulation)
 
 
+def behaviour_queries(s: Session, qitems, direction: str) -> list:
+    """`attribution.query: behaviour`: the queries with their sampled answers (`attribution.behaviour_samples` at
+    `attribution.behaviour_temperature`, `attribution.behaviour`); `query_stage` calls it after `query_items` and
+    before the decisive tokens, which then run only for the items left with their own-words query."""
+    if not s.metric.generative:
+        return list(qitems)
+    a = s.cfg.attribution
+    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=a.behaviour_samples,
+                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line,
+                             sources=SOURCES, temperature=a.behaviour_temperature)
+    return with_samples(qitems, samples, direction)
+
+
 def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     """The scores of every row: `scores_for` for an attributed run, each row's gradient norm for a smoke test."""
     if outcome.verdict is Verdict.declined:
@@ -134,13 +154,13 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
         finally:
             ix.close()
     _no_supervised_flag(s)
-    with s.log.stage("score"):
-        scored = scores_for(s, list(queries.items), outcome.direction)
-    # train.not_converged without a recorded loss curve, over the rows the scores were computed from
-    flag_from_index(s, scored.one_pass.held if scored.one_pass is not None else scored.features)
-    _scoring_flags(s, scored, len(queries.items))
-    sc = scored.scores
     combine = resolve_combine(s.cfg.attribution.combine, [q.own_words for q in queries.items])
+    with s.log.stage("score"):
+        ranking = score_stage(s, list(queries.items), outcome.direction, combine=combine)
+    # train.not_converged without a recorded loss curve, over the rows the scores were computed from
+    flag_from_agreement(s, ranking.rows.agreement)
+    _scoring_flags(s, ranking, len(queries.items))
+    sc = ranking.scored.scores
     scores, totals = sc.rank_agg.astype(np.float32), aggregate(sc.per_item).astype(np.float32)
     order, mean_scores, strongest = sc.order, None, None
     if combine == "max":
@@ -148,18 +168,28 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
         # count and the clusters keep the mean (`resolve_combine`). A projected index's exact re-rank keeps its
         # candidates first, by their max.
         mean_scores = scores
-        scores, strongest = strongest_items(sc.rank_item)
+        scores, strongest = strongest_items(sc.rank_item, sc.spread)
         scores = scores.astype(np.float32)
-        order = None if sc.order is None else rerank_order(scores, sc.cand, scores[sc.cand])
-    declined = degenerate(sc.norms, scores)
+        cand = ranking.scored.rerank.cand
+        order = None if sc.order is None else rerank_order(scores, cand, scores[cand])
+    declined = degenerate(ranking.scored.basis.norms, scores)
     if declined is not None:
         # A zero query or flat scores accuse nobody: saying "attributed" over an arbitrary order would be a
         # confident wrong verdict.
         s.log.flag(declined[0], "warning", declined[1], "check the failing items' generated answers in report.json "
                    "(query.items); each query needs a passing and a failing answer that differ")
-        scored.close()
-    summary = scored.rows_summary if scored.one_pass is None else None
-    return Ranked(scored, order, scores, totals, declined, summary, combine, mean_scores, strongest)
+    summary = None if ranking.one_pass else ranking.rows.summary
+    return Ranked(ranking, order, scores, totals, declined, summary, combine, mean_scores, strongest)
+
+
+def score_stage(s: Session, qitems, direction: str, **overrides) -> Ranking:
+    """`attribution.stage.scores_for` over the session's model side: the adapter-state strategy the config asks
+    for (its flags raised on the session), the config's settings but `overrides`."""
+    models = ModelSide(s)
+    states, flags = models.states()
+    for f in flags:
+        s.log.flag(*f)
+    return scores_for(models, qitems, ScoringSettings.from_config(s.cfg, direction, **overrides), states, flags)
 
 
 def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked) -> Explanation:
@@ -169,33 +199,31 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
         why = (f"the scores cannot name a cause: {ranked.declined[1]}" if ranked.declined else
                "the verdict is declined: the capability did not move measurably")
         return Explanation((), nobody(why), (), (), None, None, (), None, None)
-    scored, scores = ranked.scored, ranked.scores
+    ranking, scores = ranked.ranking, ranked.scores
     order = ranked.order if ranked.order is not None else rank(scores)
-    if scored is None:  # smoke test
+    if ranking is None:  # smoke test
         with s.log.stage("base_scores"):
             rows = rank_rows(s, order, ranked.totals, scores, None)
         return Explanation(tuple(rows), nobody("a smoke test (no eval set): the ranking shows gradient outliers, not "
                                                "causes"), (), (), None, None, (), scores, ranked.totals)
-    try:
-        accused = accuse(scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k)
-        with s.log.stage("base_scores"):
-            rows = rank_rows(s, order, ranked.totals, scores, scored.scores, accused, ranked.strongest)
-        spans, clusters, info, block, margins = (), (), None, None, ()
-        if rows:
-            with s.log.stage("spans"):
-                found = spans_stage(s, scored, rows, list(queries.items))
-            rows, spans = [found.row(r) for r in rows], tuple(found.spans)
-            with s.log.stage("clusters"):
-                cl = score_clusters(ranked.count_scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
-                                    gradients=scored.features, previews=[preview(e.plain_text()) for e in s.examples])
-            clusters, info = tuple(cl["clusters"]), {k: v for k, v in cl.items() if k != "clusters"}
-            with s.log.stage("blame"):
-                block, per_item = blame(s.model, s.tokenizer, s.eval_items, list(queries.items), rows,
-                                        outcome.direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
-                                        batch_size=cfg.evaluation.batch_size)
-            margins = tuple(per_item)
-    finally:
-        scored.close()
+    accused = accuse(ranking.scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k,
+                     spread=ranking.scored.scores.spread)
+    with s.log.stage("base_scores"):
+        rows = rank_rows(s, order, ranked.totals, scores, ranking.scored, accused, ranked.strongest)
+    spans, clusters, info, block, margins = (), (), None, None, ()
+    if rows:
+        with s.log.stage("spans"):
+            found = spans_stage(s, ranking, rows, list(queries.items))
+        rows, spans = [found.row(r) for r in rows], tuple(found.spans)
+        with s.log.stage("clusters"):
+            cl = score_clusters(ranked.count_scores, [e.plain_text() for e in s.examples], seed=cfg.seed,
+                                gradients=ranking.features, previews=[preview(e.plain_text()) for e in s.examples])
+        clusters, info = tuple(cl["clusters"]), {k: v for k, v in cl.items() if k != "clusters"}
+        with s.log.stage("blame"):
+            block, per_item = blame(s.model, s.tokenizer, s.eval_items, list(queries.items), rows,
+                                    outcome.direction, chat=s.chat, max_len=cfg.grads.max_seq_length,
+                                    batch_size=cfg.evaluation.batch_size)
+        margins = tuple(per_item)
     return Explanation(tuple(rows), accused, spans, clusters, info, block, margins, scores, ranked.totals)
 
 
@@ -235,15 +263,15 @@ def _no_supervised_flag(s: Session) -> None:
                    "raise grads.max_seq_length or shorten the prompts")
 
 
-def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scores:
+def score_adapter(s: Session, ix: OpenIndex, qitems, direction: str, **settings) -> Scored:
     """The scores of the session's (active) adapter alone from its open index `ix` (whatever its projection), with
-    the config's settings but `settings` (e.g. `preconditioner="identity"`, `windows=False`): the index path of
-    `attribution.stage.score_state`, for tests and benches that pin an index."""
-    return score_items(ModelGradients.from_session(s, ix.capture), ix.rows, qitems,
+    the config's settings but `settings` (e.g. `preconditioner="identity"`, `windows=False`): the index row source
+    of `attribution.stage.score_state`, for tests and benches that pin an index."""
+    return score_index(gradients_of(s, ix.capture), ix.rows, qitems,
                        ScoringSettings.from_config(s.cfg, direction, **settings), block_dims=block_dims_of(ix.index))
 
 
-def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, sc: Optional[Scores],
+def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndarray, st: Optional[Scored],
               accused: Optional[Accusation] = None, strongest: Optional[np.ndarray] = None) -> list[dict]:
     """The top `attribution.top_k` rows of the ranking, each with its base and fine-tuned loss (was it taught?) and,
     given the accusation, whether it is accused (an accused row below the top `attribution.top_k` is listed too, in
@@ -263,15 +291,15 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
                "window_score": float(scores[p]), "preview": preview(ex.plain_text()), "text": ex.plain_text(),
                "base_loss": float(np.mean(bl)) if len(bl) else float("nan"),
                "tuned_loss": float(np.mean(tl)) if len(tl) else float("nan")}
-        if sc is not None:
+        if st is not None:
             row["verdict"] = v
             row["verdict_text"] = ROW_VERDICT_TEXT[v]
-            if p in sc.windows:
-                a, b = sc.windows[p]["tokens"]
+            if p in st.windows.found:
+                a, b = st.windows.found[p]["tokens"]
                 rng_c = window_char_range(ex, s.toks[p], a, b, s.tokenizer)
                 row["window"] = {"tokens": [int(a), int(b)], **({"start": rng_c[0], "end": rng_c[1]} if rng_c else {})}
-            if p in sc.turns:
-                row["turn"] = ranked_turn(ex, sc.turns[p], None if strongest is None else int(strongest[p]))
+            if p in st.exchanges:
+                row["turn"] = ranked_turn(ex, st.exchanges.found[p], None if strongest is None else int(strongest[p]))
         if accused is not None:
             row["accused"] = p in accused.positions
         ranking.append(row)
@@ -279,7 +307,7 @@ def rank_rows(s: Session, order: np.ndarray, totals: np.ndarray, scores: np.ndar
 
 
 def ranked_turn(ex, found: dict, strongest: Optional[int] = None) -> dict:
-    """The report's `turn` of a conversation ranked by its best exchange (`Scores.turns`): the exchange whose wins
+    """The report's `turn` of a conversation ranked by its best exchange (`values.Exchanges`): the exchange whose wins
     (the items it is the best exchange of) add the most to the row's ranking score; with items combined by their
     max, the best exchange of `strongest`, the item that sets the row's score."""
     scores, best = np.asarray(found["scores"]), np.asarray(found["best"])
@@ -294,41 +322,58 @@ def ranked_turn(ex, found: dict, strongest: Optional[int] = None) -> dict:
             "items": int((best == k).sum()), "scores": [round(float(x), 6) for x in scores.mean(0)]}
 
 
-def spans_stage(s: Session, scored: Scored, ranking: list[dict], qitems) -> RankingSpans:
+def spans_stage(s: Session, ranking: Ranking, rows: list[dict], qitems) -> RankingSpans:
     """Sentence spans of the top rows, from per-token contributions at the adapter state the scores came from."""
-    sc = scored.scores
-    with spans_context(s, scored) as view:
-        grads = ModelGradients.from_session(view, GradientCapture(view.model, view.sites, scored.projector,
-                                                                  chunk=view.cfg.grads.loss_chunk_tokens))
+    st, projector = ranking.scored, ranking.projector
+    with state_view(s, ranking.state_path) as view:
+        grads = gradients_of(view, GradientCapture(view.model, view.sites, projector,
+                                                   chunk=view.cfg.grads.loss_chunk_tokens))
 
         def contributions(exact_part: bool, positions, items):
             # in the units of the rows' scores (unit rows: times each row's 1 / norm)
-            return scaled_contributions(sc, grads.contributions(parameter_directions(sc, scored.projector,
-                                                                                    exact_part), positions, items))
+            return scaled_contributions(st.basis, grads.contributions(
+                parameter_directions(st.basis, st.rerank, projector, exact_part), positions, items))
 
-        return spans_for(ranking, sc.rank_item, set(sc.cand.tolist()), s.examples, s.toks, qitems, contributions,
-                         s.tokenizer)
+        return spans_for(rows, st.scores.rank_item, set(st.rerank.cand.tolist()), s.examples, s.toks, qitems,
+                         contributions, s.tokenizer)
 
 
-def _scoring_flags(s: Session, scored: Scored, n_items: int) -> None:
-    """The flags about where the scores came from: the checkpoints used, windows not computed for every long row,
-    a projected index's self-check."""
-    cfg, sc = s.cfg, scored.scores
-    s.log.flag("attribution.checkpoints_used", "info", _checkpoints_used(cfg, scored.source.entry))
-    if sc.long_rows and not sc.window_items:
-        if scored.one_pass is not None:
+@contextmanager
+def state_view(s: Session, path: Optional[str], label: str = "spans"):
+    """The session view at adapter state `path` (None: the session itself, the final adapter)."""
+    if path is None:
+        yield s
+        return
+    with s.checkpoint(str(Path(path).resolve()), label) as view:
+        yield view
+
+
+def _scoring_flags(s: Session, ranking: Ranking, n_items: int) -> None:
+    """The flags about where the scores came from: the adapter states used, windows not computed for every long
+    row, a projected index's self-check."""
+    cfg, st = s.cfg, ranking.scored
+    s.log.flag("attribution.checkpoints_used", "info", ranking.states_used)
+    shortlist = ranking.rows.summary.get("shortlist")
+    if shortlist is not None:
+        s.log.flag("attribution.shortlist", "info",
+                   f"scored from the per-row store an earlier pass left ({ranking.rows.summary['exact_rows']} of "
+                   f"{ranking.rows.summary['unique_rows']} rows exactly): {shortlist['rule']}",
+                   "set attribution.store: full for an exact pass over every row")
+    w = st.windows
+    if w.long_rows and not w.all_items:
+        if w.bounded:
             s.log.flag("attribution.windows_aggregate_only", "info",
-                       f"{len(sc.long_rows)} long rows: the {min(len(sc.long_rows), WINDOW_ROWS)} with the highest "
+                       f"{len(w.long_rows)} long rows: the {min(len(w.long_rows), WINDOW_ROWS)} with the highest "
                        f"whole-row score got their best-window score for the aggregate ranking, and the "
-                       f"{len(sc.window_item_rows)} highest of them per item too; the other long rows are ranked by "
+                       f"{len(w.item_rows)} highest of them per item too; the other long rows are ranked by "
                        "their whole-row score" + (" (conversations of several exchanges are ranked by their best "
-                                                  "exchange and not windowed)" if sc.turns else ""))
+                                                  "exchange and not windowed)" if len(st.exchanges) else ""))
         else:
             s.log.flag("attribution.windows_aggregate_only", "info",
-                       f"{n_items} failing items: every one of the {len(sc.long_rows)} long rows got its best-window "
-                       f"score for the aggregate ranking, and the {len(sc.window_item_rows)} highest of them per item "
+                       f"{n_items} failing items: every one of the {len(w.long_rows)} long rows got its best-window "
+                       f"score for the aggregate ranking, and the {len(w.item_rows)} highest of them per item "
                        "too; the per-item rankings use the other long rows' totals")
-    fid = sc.fidelity
+    fid = st.rerank.fidelity
     if fid is not None:
         low = (fid["reranked"] or fid["projected_aggregate"])["top50_recall"]
         if low < cfg.grads.fidelity_warn:
@@ -342,29 +387,6 @@ def span_text(s: Session, q) -> str:
     by_pos = {it.position: it for it in s.eval_items}
     row, _ = own_words_row(s.tokenizer, by_pos[q.item], q, chat=s.chat, max_len=s.cfg.grads.max_seq_length)
     return s.tokenizer.decode([t for t, m in zip(row.input_ids, row.supervised) if m], skip_special_tokens=True)
-
-
-def _checkpoints_used(cfg: Config, ck: Optional[dict]) -> str:
-    """Which adapters the scores come from, in one sentence (the `attribution.checkpoints_used` flag)."""
-    if ck is not None and "optimizer" in ck:
-        return (f"optimizer-aware scores (attribution.optimizer: adamw): the recorded AdamW run replayed over its "
-                f"{ck['epochs']} epochs")
-    if ck is not None and ck.get("setting") == "earliest":
-        return (f"the earliest saved checkpoint alone ({ck['labels'][0]}, attribution.checkpoints: earliest): its "
-                "scores, windows and spans; blame compares the base with the final adapter")
-    if ck is not None:
-        how = {"saved": "saved beside the adapter (no training)", "replayed": "replayed once from the adapter's "
-               "Gradian recipe", "attribution.checkpoint_adapters": "listed in attribution.checkpoint_adapters"}
-        return (f"scores averaged over {ck['count']} checkpoints ({', '.join(ck['labels'])}), the earlier ones "
-                f"{how.get(ck['source'], ck['source'])}")
-    if cfg.attribution.checkpoints == "auto":
-        return ("the final adapter alone: attribution.checkpoints is auto and no checkpoint was saved beside the "
-                "adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
-    if cfg.attribution.checkpoints == "earliest":
-        return ("the final adapter alone: attribution.checkpoints is earliest and no checkpoint was saved beside "
-                "the adapter (gradian train saves one per epoch; TRL and the HF Trainer write checkpoint-* folders)")
-    return "the final adapter alone (attribution.checkpoints: 1)" if cfg.attribution.checkpoints == 1 else \
-        "the final adapter alone: no earlier checkpoint could be had"
 
 
 def _self_influence(ix: OpenIndex) -> np.ndarray:

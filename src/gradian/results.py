@@ -10,7 +10,7 @@ import numpy as np
 
 from .attribution.accused import Accusation
 from .attribution.queries import QueryItem
-from .attribution.stage import Scored
+from .attribution.stage import Ranking
 from .capability.evaluate import CapabilityResult
 from .config import Config
 from .verdict import Verdict
@@ -37,10 +37,12 @@ class Queries:
 
 @dataclass(frozen=True)
 class Ranked:
-    """The scores and the order they give. `scored` is None for a smoke test (self-influence) or a run declined
-    before scoring; `declined` is (flag id, why) when the scores cannot name a cause."""
+    """The scores and the order they give. `ranking` (the scoring engine's value: the per-item ranking scores
+    `ranking.per_item`, the rows' features `ranking.features`, the scores' basis, windows, exchanges and re-rank) is
+    None for a smoke test (self-influence) or a run declined before scoring; `declined` is (flag id, why) when the
+    scores cannot name a cause."""
 
-    scored: Optional[Scored]
+    ranking: Optional[Ranking]
     order: Optional[np.ndarray]
     scores: Optional[np.ndarray]  # the ranking score of every row (scores.npy)
     totals: Optional[np.ndarray]  # whole-row totals (scores_total.npy)

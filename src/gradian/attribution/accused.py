@@ -147,10 +147,13 @@ RULE = ("A row's statistic is its robust z-scores on the failing items it stands
         "{alpha:g} in a tail as heavy as the rows below it.")
 
 
-def accuse(per_item: np.ndarray, items: Sequence[int], *, limit: Optional[int] = None) -> Accusation:
+def accuse(per_item: np.ndarray, items: Sequence[int], *, limit: Optional[int] = None,
+           spread: Optional[np.ndarray] = None) -> Accusation:
     """The accused rows of per-item ranking scores [Q, N] (`Scores.rank_item`: harm-signed, best window or
-    exchange per item) of the failing `items` (their eval positions), at most `limit`."""
-    z = item_z(np.asarray(per_item, dtype=np.float64))
+    exchange per item) of the failing `items` (their eval positions), at most `limit`. `spread` [Q, N]: the errors
+    of scores read from the per-row store's sketches (`Scores.spread`, 0 where exact), taken out of each item's
+    scale (`scoring.item_z`)."""
+    z = item_z(np.asarray(per_item, dtype=np.float64), spread)
     stat, k = scan(z)
     found = widest_drop(stat)
     count = found.count

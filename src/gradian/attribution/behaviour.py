@@ -40,16 +40,15 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
+from transformers import LogitsProcessorList
 
 from ..capability.evaluate import _stop_ids, answer_text
 from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "behaviour_queries",
-           "resolve_formulation"]
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "resolve_formulation"]
 
 SOURCES = ("tuned",)  # the models sampled (`sample_answers`)
-SAMPLING = {"top_k": 0, "top_p": 1.0}  # no truncation of the tempered distribution
 
 
 @dataclass(frozen=True)
@@ -59,49 +58,77 @@ class Sample:
     passes: bool  # the metric's verdict (score >= 0.5)
 
 
+SAMPLE_ROWS = 64  # sampled sequences one `generate` call draws at most (items x samples, whole items)
+
+
 @torch.no_grad()
 def sample_answers(model, tokenizer, items: Sequence, qitems: Sequence, metric, *, chat: bool, n: int,
                    max_new_tokens: int, seed: int, one_line: bool, sources: Sequence[str] = ("tuned",),
                    temperature: float) -> list[tuple[Sample, ...]]:
     """For each query, `n` answers sampled from each model of `sources` ("tuned": the fine-tune, adapter on;
     "base": adapter off) at `temperature` with no top-k / top-p truncation, each labelled by `metric`. Seeded per
-    item and model (`seed`, the item's position), so a rerun draws the same answers."""
+    item and model (`seed`, the item's position), so a rerun draws the same answers.
+
+    Items are drawn together, `SAMPLE_ROWS // n` at a time (one left-padded `generate` call: a decoding step over
+    64 sequences costs little more than over 16), each from its own generator (`PerItemSampler`): an item's draws
+    are those of `model.generate` on its prompt alone with its seed, up to the last bits of batched logits."""
     by_pos = {it.position: it for it in items}
     stops = _stop_ids(tokenizer, model, chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
-    out = []
-    for q in qitems:
-        it = by_pos[q.item]
-        ids = torch.tensor([eval_prompt_ids(tokenizer, it, chat)], device=device)
-        got = []
-        for k, source in enumerate(("tuned", "base")):
-            if source not in sources:
-                continue
-            gen = torch.Generator(device="cpu").manual_seed(int(seed) * 1_000_003 + 2 * int(q.item) + k)
-            ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
-            with ctx, _seeded(gen):
-                seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                      temperature=float(temperature), **SAMPLING, num_return_sequences=n,
-                                      max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops or None)
-            for row in seqs[:, ids.shape[1]:].tolist():
+    per = max(1, SAMPLE_ROWS // max(n, 1))
+    got: list[list[Sample]] = [[] for _ in qitems]
+    for k, source in enumerate(("tuned", "base")):
+        if source not in sources:
+            continue
+        ctx = model.disable_adapter() if source == "base" else contextlib.nullcontext()
+        for a in range(0, len(qitems), per):
+            group = list(range(a, min(len(qitems), a + per)))
+            prompts = [eval_prompt_ids(tokenizer, by_pos[qitems[g].item], chat) for g in group]
+            T = max(len(x) for x in prompts)
+            ids = torch.full((len(group), T), pad, dtype=torch.long)
+            attn = torch.zeros((len(group), T), dtype=torch.long)
+            for r, x in enumerate(prompts):
+                ids[r, T - len(x):] = torch.tensor(x)
+                attn[r, T - len(x):] = 1
+            gens = [torch.Generator(device="cpu").manual_seed(int(seed) * 1_000_003 + 2 * int(qitems[g].item) + k)
+                    for g in group]
+            sampler = PerItemSampler([_item_seed(gn) for gn in gens], n, float(temperature))
+            rows = torch.arange(len(group)).repeat_interleave(n)  # each item's n rows together, as its own call had
+            with ctx:
+                seqs = model.generate(input_ids=ids[rows].to(device), attention_mask=attn[rows].to(device),
+                                      do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                      eos_token_id=stops or None, temperature=None, top_p=None, top_k=None,
+                                      logits_processor=LogitsProcessorList([sampler]))
+            for r, row in enumerate(seqs[:, T:].tolist()):
+                g = group[r // n]
                 cut = next((i for i, t in enumerate(row) if t in stops), len(row))
                 text = answer_text(tokenizer, row[:cut], one_line=one_line)
-                got.append(Sample(text, source, metric.score(it, text) >= 0.5))
-        out.append(tuple(got))
-    return out
+                got[g].append(Sample(text, source, metric.score(by_pos[qitems[g].item], text) >= 0.5))
+    return [tuple(x) for x in got]
 
 
-@contextlib.contextmanager
-def _seeded(gen: torch.Generator):
-    """torch's global RNG seeded from `gen` for the duration (`generate` samples from the global generator), and
-    restored afterwards so nothing else in the run draws differently."""
-    state = torch.random.get_rng_state()
-    torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(state)
+def _item_seed(gen: torch.Generator) -> int:
+    """The seed `model.generate` on one item would have drawn its answers with (the global generator seeded from
+    `gen`, as the item's own call always did)."""
+    return int(torch.randint(0, 2**62, (1,), generator=gen))
+
+
+class PerItemSampler:
+    """A logits processor that samples each item's `n` rows from the tempered distribution (no top-k / top-p) with
+    the item's own generator, and returns that choice as the only finite logit, so a greedy `generate` takes it:
+    batching items changes no item's draws (each generator sees one [n, V] draw per step, as its own call did)."""
+
+    def __init__(self, seeds: Sequence[int], n: int, temperature: float):
+        self.gens = [torch.Generator(device="cpu").manual_seed(int(x)) for x in seeds]
+        self.n, self.temperature = n, temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        pick = torch.cat([torch.multinomial(probs[k * self.n:(k + 1) * self.n].cpu(), 1, generator=g)
+                          for k, g in enumerate(self.gens)]).to(scores.device)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, pick, 0.0)
 
 
 def behaviour_weights(samples: Sequence[Sample], direction: str) -> tuple[tuple[str, float], ...]:
@@ -143,17 +170,3 @@ def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:
     if setting is not QueryFormulation.auto:
         return setting
     return QueryFormulation.behaviour if metric.generative and metric.defines_class else QueryFormulation.contrastive
-
-
-def behaviour_queries(s, qitems: Sequence, direction: str) -> list:
-    """`attribution.query: behaviour` for an open session: the queries with their sampled answers
-    (`attribution.behaviour_samples` at `attribution.behaviour_temperature`; the call site is `pipeline.query_stage`,
-    after `query_items` and before the decisive tokens, which then run only for the items left with their own-words
-    query)."""
-    if not s.metric.generative:
-        return list(qitems)
-    a = s.cfg.attribution
-    samples = sample_answers(s.model, s.tokenizer, s.eval_items, qitems, s.metric, chat=s.chat, n=a.behaviour_samples,
-                             max_new_tokens=s.cfg.evaluation.max_new_tokens, seed=s.cfg.seed, one_line=s.one_line,
-                             sources=SOURCES, temperature=a.behaviour_temperature)
-    return with_samples(qitems, samples, direction)

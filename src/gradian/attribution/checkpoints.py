@@ -19,7 +19,8 @@ Where the checkpoints come from, in order:
   fingerprint.
 
 The final adapter is always one of the checkpoints, and the one that the exact re-rank, the windows' token ranges, spans
-and blame use; each checkpoint ranks a long row by its own best window.
+and blame use; each checkpoint ranks a long row by its own best window. How the states' scores combine is
+`attribution.states`'; this module finds the states and their weights.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -190,61 +189,33 @@ def without_final(saved: Sequence[Path], adapter_path: str) -> list[Path]:
     return out
 
 
-def resolve(s) -> tuple[list[Path], list[str]]:
-    """(earlier checkpoint adapters, their labels) for the session's config; flags when none can be had."""
-    cfg = s.cfg
-    if cfg.attribution.checkpoint_adapters:
-        paths = explicit_adapters(cfg)
-        return paths, [p.name for p in paths]
-    n = cfg.attribution.checkpoints
-    saved = without_final(saved_adapters(s.adapter_path), s.adapter_path)
-    if n == "earliest":
-        return saved[:1], [p.name for p in saved[:1]]
+def resolve(n, explicit: Sequence[Path], adapter_path: str, replay: Callable[[int], tuple[list[Path], list[int]]]
+            ) -> tuple[list[Path], list[str], list[tuple]]:
+    """(earlier checkpoint adapters, their labels, flags) that `attribution.checkpoints` `n` (`auto` or N) or
+    `attribution.checkpoint_adapters` (`explicit`) average with the final adapter (`attribution.states.TracInAverage`);
+    a flag (id, level, message, fix) when none can be had. `replay(n)`: `replayed_adapters` of the run's recipe (the
+    edge binds it to the config). `earliest` is `attribution.states.resolve_states`' own."""
+    if explicit:
+        paths = list(explicit)
+        return paths, [p.name for p in paths], []
+    saved = without_final(saved_adapters(adapter_path), adapter_path)
     if n == "auto":
         picked = evenly(saved, AUTO_MAX - 1)
-        return picked, [p.name for p in picked]
-    if n <= 1:
-        return [], []
+        return picked, [p.name for p in picked], []
+    if n == "earliest" or n <= 1:
+        return [], [], []
     if len(saved) >= n - 1:
         picked = evenly(saved, n - 1)
-        return picked, [p.name for p in picked]
-    paths, epochs = replayed_adapters(cfg, s.adapter_path, cfg.attribution.checkpoints)
+        return picked, [p.name for p in picked], []
+    paths, epochs = replay(n)
+    flags = []
     if not paths:
-        s.log.flag("attribution.no_checkpoints", "warning",
-                   f"attribution.checkpoints is {cfg.attribution.checkpoints} but the adapter has no Gradian recipe to "
-                   "replay (or trained for one epoch); scores use the final adapter only",
-                   "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
-                   "with `gradian train`")
-    return paths, [f"epoch-{k}" for k in epochs]
-
-
-def state_scores(s, paths: Sequence[Path], score: Callable) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(per_item, rank_item) [Q, N] of each earlier adapter state: `score(view)` (a `Scores`) at the session view
-    with that state loaded onto the session's base, one state at a time. How a state's rows are scored is the
-    caller's: its own index (`checkpoint_scores`) or one pass (`stage.score_state`)."""
-    out = []
-    for j, p in enumerate(paths):
-        with s.checkpoint(str(Path(p).resolve()), f"checkpoint-{j}") as view:
-            sc = score(view)
-        out.append((np.asarray(sc.per_item, dtype=np.float64), np.asarray(sc.rank_item, dtype=np.float64)))
-    return out
-
-
-def checkpoint_scores(s, paths: Sequence[Path], qitems, settings) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`state_scores` of each earlier checkpoint from its own index, preconditioner and query gradients; no exact
-    re-ranking or self-check (those are for the final adapter's scores)."""
-    from ..store.build import open_index
-    from .engine import ModelGradients, block_dims_of, score_items
-
-    def indexed(view):
-        ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
-        try:
-            return score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems,
-                               replace(settings, rerank=0, fidelity_sample=0), block_dims=block_dims_of(ix.index))
-        finally:
-            ix.close()
-
-    return state_scores(s, paths, indexed)
+        flags.append(("attribution.no_checkpoints", "warning",
+                      f"attribution.checkpoints is {n} but the adapter has no Gradian recipe to replay (or trained for "
+                      "one epoch); scores use the final adapter only",
+                      "list the checkpoint folders saved during training in attribution.checkpoint_adapters, or train "
+                      "with `gradian train`"))
+    return paths, [f"epoch-{k}" for k in epochs], flags
 
 
 def average(final: np.ndarray, earlier: Sequence[np.ndarray], weights: Optional[Sequence[float]] = None) -> np.ndarray:
@@ -340,54 +311,11 @@ def checkpoint_weights(adapter_path: str, paths: Sequence[Path]) -> tuple[Option
     return interval_means(rates, order), source
 
 
-def over_checkpoints(s, sc, qitems, settings):
-    """(`sc`, the final adapter's `Scores`, averaged with the earlier checkpoints' scores; the report entry, or
-    None when no earlier checkpoint is used). The ranking then follows the averaged scores (the exact re-ranking
-    order of the final adapter alone is dropped)."""
-    t0 = time.time()
-    paths, labels = resolve(s)
-    if not paths:
-        return sc, None
-    sc, entry = averaged(s, sc, paths, labels, checkpoint_scores(s, paths, qitems, settings))
-    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
-    return sc, entry
-
-
-def averaged(s, final, paths: Sequence[Path], labels: Sequence[str], parts: Sequence[tuple[np.ndarray, np.ndarray]]):
-    """TracIn-CP: (the final adapter's `Scores` `final` with its per-item scores averaged with the earlier states'
-    `parts` (`state_scores`) by the checkpoints' learning-rate weights, `earliest` the earliest alone; the
-    report entry). The one average over adapter states, whichever way each state's rows were scored."""
-    earliest = s.cfg.attribution.checkpoints == "earliest" and not s.cfg.attribution.checkpoint_adapters
-    if earliest:  # the earliest checkpoint's scores alone: weight 1, the final adapter's 0
-        weights, weights_source = [1.0] + [0.0] * len(parts), "attribution.checkpoints: earliest"
-    else:
-        weights, weights_source = checkpoint_weights(s.adapter_path, paths)
-    sc = final.with_scores(average(final.per_item, [p for p, _ in parts], weights),
-                           average(final.rank_item, [r for _, r in parts], weights))
-    source = ("attribution.checkpoint_adapters" if s.cfg.attribution.checkpoint_adapters else
-              "saved" if all(_is_saved(p, s.adapter_path) for p in paths) else "replayed")
-    return sc, {"count": len(paths) + 1, "adapters": [str(p) for p in paths] + [s.adapter_path],
-                "labels": list(labels) + ["final"], "source": source, "setting": s.cfg.attribution.checkpoints,
-                "weights": weights, "weights_source": weights_source,
-                "rule": _rule(earliest, labels, weights)}
-
-
-def _rule(earliest: bool, labels: Sequence[str], weights: Optional[Sequence[float]]) -> str:
-    if earliest:
-        head = (f"the per-item scores of the earliest saved checkpoint ({labels[0]}) alone: a row the fine-tune "
-                "memorised by the end has a small gradient at the final adapter, whatever it taught")
-    elif weights is not None and len(set(weights)) > 1:
-        head = ("per-item scores averaged over these checkpoints, each weighted by the mean learning rate of the "
-                "steps it stands for (those since the previous checkpoint; TracIn-CP)")
-    else:
-        head = ("per-item scores averaged with equal weights over these checkpoints (TracIn-CP: "
-                + ("every checkpoint stands for the same learning rate)" if weights is not None else
-                   "no learning rates were recorded)"))
-    if earliest:
-        return head + ("; it ranks a long row by its own best window; the windows' token ranges, spans and blame come "
-                       "from the final adapter, whose exact re-rank is not used")
-    return head + ("; each checkpoint ranks a long row by its own best window; the final adapter's share includes its "
-                   "exact re-rank; the windows' token ranges, spans and blame come from the final adapter")
+def source_of(explicit: bool, paths: Sequence[Path], adapter_path: str) -> str:
+    """Where the earlier states came from, in the report's words."""
+    if explicit:
+        return "attribution.checkpoint_adapters"
+    return "saved" if all(_is_saved(p, adapter_path) for p in paths) else "replayed"
 
 
 def _is_saved(p: Path, adapter_path: str) -> bool:

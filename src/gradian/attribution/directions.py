@@ -73,6 +73,25 @@ class BackProjected(Directions):
         return back_project(self.projector, self.w[list(ks)])
 
 
+class HarmDirections(Directions):
+    """P^T w_k of a `values.Basis`'s harm-signed directions, w_k produced for the items asked only (`Basis.w_rows`):
+    `BackProjected(projector, basis.w)` without the [Q, dim] float64 array."""
+
+    def __init__(self, projector, basis):
+        self.projector, self.basis = projector, basis
+        self.n = basis.n_items
+        self.width = int(projector.exact_dim)
+
+    def rows(self, ks):
+        from ..projection import back_project
+        from .scoring import harm_factor
+
+        if self.projector.exact:  # +-1 times float32: the float64 round trip of `back_project` changes no bit
+            return np.float32(harm_factor(self.basis.direction)) * np.asarray(self.basis.unit[list(ks)],
+                                                                             dtype=np.float32)
+        return back_project(self.projector, self.basis.w_rows(ks))
+
+
 class ExactPart(Directions):
     """e_k = coef_k x s_b x q_k of the exact re-rank (`attribution.rerank.exact_directions`): q_k the exact query
     gradient of item k, from `queries(ks)` (the model side; it is recomputed per block, never held for all items),

@@ -1,21 +1,17 @@
-"""Scoring the training rows for a set of failing items: the pure steps of `scoring`, `windows` and `rerank`, fed
-by the few things only the model can compute.
+"""The model side of scoring, bound to one adapter state: `ModelGradients` (query gradients in the rows' space or
+exact, exact row gradients against parameter-space directions, per-token contributions along them), the `Storage`
+that says where that state's rows are kept, and the small typed `ScoringSettings` every scoring step reads.
 
-`ModelGradients` is that model side, bound to one adapter: query gradients (in the index space, or exact), exact
-row gradients against parameter-space directions, and per-token contributions along them. `score_items` runs the
-steps in order (preconditioned scores, best windows of long rows, exact re-ranking and the self-check of a projected
-index) from a `RowSource` over the index and small typed `ScoringSettings`; `attribute`, `fidelity` and the
-checkpoint average all call it, each with its own model side.
-
-Nothing here holds (exact width x rows) or (exact width x items): exact rows are streamed batch by batch, and
-parameter-space directions (`attribution.directions`) and exact query gradients come in fixed blocks of items of at
-most `directions.DIRECTION_BYTES`, one pass over the rows scored per block.
+Built at the edge (`gradian.model_side`, from a session), never from a session here. Nothing holds (exact width x
+rows) or (exact width x items): exact rows are streamed batch by batch, and parameter-space directions
+(`attribution.directions`) and exact query gradients come in fixed blocks of items of at most
+`directions.DIRECTION_BYTES`, one pass over the rows scored per block.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -27,15 +23,9 @@ from ..progress import progress_bar
 from ..projection import Projector
 from ..distributed import current, gather_by_index
 from ..setup.batches import owned_batches
-from ..store.rows import RowSource
 from . import directions as dirs_
-from . import ekfac
-from . import rerank as rr
-from . import windows as win
-from .directions import BackProjected
-from .precondition import Preconditioner, preconditioner_class
 from .queries import query_vectors
-from .scoring import Scores, aggregate, item_scores, score, score_directions
+from .values import Basis
 
 
 @dataclass(frozen=True)
@@ -49,19 +39,39 @@ class ScoringSettings:
     windows: bool = True  # best-window scores of long rows
     unit_rows: bool = True  # rows scaled to unit norm in the preconditioner's metric (`scoring.row_scales`)
     per_turn: bool = True  # one pass, unit rows: conversations ranked by their best exchange (`one_pass`)
+    combine: str = "mean"  # how items combine into a row's ranking score (`scoring.combine_items`): the shortlist's
+    top_k: int = 50  # the rows a report ranks (`attribution.top_k`): what a later question's shortlist must hold
+    store: str = "shortlist"  # `attribution.store`: the one pass's per-row store, and what a later question does
 
     @classmethod
     def from_config(cls, cfg, direction: str, **overrides) -> "ScoringSettings":
         a, g = cfg.attribution, cfg.grads
         base = dict(direction=direction, preconditioner=a.preconditioner, damping=a.damping, rerank=g.rerank,
                     fidelity_sample=g.fidelity_sample, seed=cfg.seed, unit_rows=a.unit_rows,
-                    per_turn=a.per_turn)
+                    per_turn=a.per_turn, top_k=a.top_k, store=a.store)
         return cls(**{**base, **overrides})
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where one adapter state's rows are kept, decided from the config at the edge (`gradian.model_side`).
+
+    `open_index()` builds (the rows it lacks) or reuses the gradient index of this state (a `store.build.OpenIndex`);
+    `auto`: `grads.projection_dim` is `auto` (an integer asks for a projected index and its exact re-rank, null for
+    the exact index); `exact_index`: it resolves to the exact index (small widths), which is then the row source;
+    `locate()`: (the directory of this state's per-row stores (`store.rowstore`), what they are keyed by: the
+    model, the adapter state and the data; computed when a pass asks, it hashes the weights); None: none kept."""
+
+    open_index: Callable
+    auto: bool = True
+    exact_index: bool = False
+    locate: Optional[Callable[[], tuple[Path, str]]] = None
 
 
 @dataclass
 class ModelGradients:
-    """What scoring needs from the model, for one adapter: `capture` maps batches to index-space vectors."""
+    """What scoring needs from the model, for one adapter state: `capture` maps batches to vectors in the rows'
+    space (exact for the one pass; an index's projection for an index), the data, and where the rows are kept."""
 
     capture: GradientCapture
     tokenizer: object
@@ -73,12 +83,9 @@ class ModelGradients:
     chunk: int
     timings: dict = field(default_factory=dict)
     _exact: Optional[GradientCapture] = None
-
-    @classmethod
-    def from_session(cls, s, capture: GradientCapture) -> "ModelGradients":
-        g = s.cfg.grads
-        return cls(capture, s.tokenizer, s.eval_items, s.toks, s.chat, g.batch_size, g.max_seq_length,
-                   g.loss_chunk_tokens, s.log.timings)
+    examples: Sequence = ()  # the training records (a conversation's exchanges)
+    adapter_path: str = ""
+    storage: Optional[Storage] = None
 
     @property
     def model(self):
@@ -210,137 +217,8 @@ def block_dims_of(index) -> Optional[list[int]]:
     return list(bd) if bd and sum(bd) == index.dim else None
 
 
-def fit_preconditioner(kind: str, damping: Optional[float], rows: RowSource,
-                       block_dims: Optional[list[int]]) -> Preconditioner:
-    """`attribution.preconditioner` fitted on the rows (streamed)."""
-    p = Preconditioner(kind, damping, block_dims)
-    if p.is_identity:
-        return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
-    return p.fit(rows)
-
-
-def score_items(grads: ModelGradients, rows: RowSource, qitems, settings: ScoringSettings, *,
-                block_dims: Optional[list[int]] = None) -> Scores:
-    """Per-item scores [Q, N] of every row, with the best windows of long rows and, for a projected index, the top
-    `settings.rerank` rows re-scored exactly and a sample of rows measuring projected-vs-exact agreement."""
-    t0 = time.time()
-    projector = grads.capture.projector
-    q_ex = None
-    if preconditioner_class(settings.preconditioner).parameter_space:
-        sc, q, q_ex = _ekfac_scores(grads, rows, qitems, settings)
-    else:
-        q = grads.query_vectors(qitems)
-        pre = fit_preconditioner(settings.preconditioner, settings.damping, rows, block_dims)
-        sc = score(q, rows, pre, settings.direction, unit_rows=settings.unit_rows)
-    grads.timings["precondition"] = round(time.time() - t0, 3)
-    if settings.windows:
-        sc = _windows(grads, sc, projector, skip=win.projected_windows_overwritten(
-            projector.exact, rows.n, settings.rerank, sc.w.shape[0]))
-    if projector.exact or (settings.rerank == 0 and settings.fidelity_sample == 0):
-        return sc
-    # EK-FAC's exact queries are already preconditioned (in memory: [Q, D_exact]); the others come in blocks
-    exact_q = q_ex if q_ex is not None else grads.exact_queries(qitems)
-    proj_scale = None if sc.row_scale is None else sc.row_scale.copy()  # index-space norms, for the self-check
-    e, r = rr.exact_directions(sc, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
-                               settings.direction)
-    sc = replace(sc, e=e, r=r)
-    n = rows.n
-    cand = rr.candidates(sc.rank_agg, settings.rerank)
-    sample = rr.fidelity_sample(n, settings.fidelity_sample, settings.seed)
-    need = np.union1d(cand, sample).astype(int)
-    block_sq = np.zeros((need.size, len(grads.sites))) if sc.row_scale is not None else None
-    ex = grads.exact_inner(sc.e, need.tolist(), block_sq)
-    if sc.r is not None:
-        ex = ex + rows.subset(need).inner(sc.r.astype(np.float32))
-    exact_scale = None
-    if block_sq is not None:
-        # each row's exact norm in the preconditioner's metric: its exact candidates' scores, windows and spans
-        # are scaled by it (the other rows keep their index-space norm)
-        exact_scale = rr.exact_row_scales(sc.precond, block_sq, rows.subset(need), projector.site_dims())
-        ex = (ex * exact_scale[None, :]).astype(np.float32)
-    col = {int(p): j for j, p in enumerate(need)}
-    if cand.size:
-        cols = [col[int(p)] for p in cand]
-        if exact_scale is not None:
-            rs = sc.row_scale.copy()
-            rs[cand] = exact_scale[cols]
-            sc = replace(sc, row_scale=rs)
-        sc = rr.put_exact_items(sc, cand, ex[:, cols])
-        exact_agg = aggregate(ex[:, cols])
-        if settings.windows:
-            sc, exact_agg = _candidate_windows(grads, sc, projector, cand, exact_agg)
-        sc = rr.put_exact_order(sc, cand, exact_agg)
-    if sample.size >= 2:
-        ex_s = ex[:, [col[int(p)] for p in sample]]
-        proj_s = item_scores(rows.subset(sample).inner(sc.unit), settings.direction)
-        if proj_scale is not None:
-            proj_s = proj_s * proj_scale[sample][None, :]
-        sc = replace(sc, fidelity=rr.self_check(ex_s, proj_s, sample, sc.order, n, q.shape[0], int(cand.size)))
-    return sc
-
-
-def _ekfac_scores(grads: ModelGradients, rows: RowSource, qitems, settings: ScoringSettings):
-    """EK-FAC works in parameter space: the exact queries are preconditioned, then projected into the index's space
-    and scaled by their exact norms. Returns the scores, the index-space queries and the preconditioned exact ones
-    (what an exact re-rank scores candidates with)."""
-    q_ex = grads.query_vectors(qitems, exact=True)
-    root = rows.index.root if rows.index is not None else None
-    pre = ekfac.fit_or_load(grads, rows, damping=settings.damping, root=root)
-    qp_ex = pre.apply(q_ex)
-    norms = np.linalg.norm(qp_ex, axis=1)
-    projector = grads.capture.projector
-    q = pre.to_index(q_ex, projector)
-    unit = pre.to_index(qp_ex, projector) / np.maximum(norms, 1e-30)[:, None]
-    scale = None
-    if settings.unit_rows:  # Euclidean row norms (EK-FAC's metric per row would cost a solve per row)
-        n_ = rows.row_norms()
-        scale = np.where(n_ > 0, 1.0 / np.maximum(n_, 1e-300), 0.0)
-    return score_directions(unit, norms, rows, pre, settings.direction, scale), q, qp_ex
-
-
-def _windows(grads: ModelGradients, sc: Scores, projector, *, skip: bool = False) -> Scores:
-    """`sc` with the best windows of the long rows along the index-space directions; with `skip`
-    (`windows.projected_windows_overwritten`) only the bookkeeping: the exact re-rank computes every one of them."""
-    long_rows = win.long_rows(grads.toks)
-    sc = replace(sc, long_rows=long_rows)
-    if not long_rows:
-        return sc
-    t0 = time.time()
-    Q = sc.w.shape[0]
-    if Q > win.WINDOW_ITEMS_MAX:  # never with `skip`: the rows with per-item windows then depend on these scores
-        res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), long_rows))
-        sc = win.aggregate_windows(sc, long_rows, res)
-    item_rows = win.item_window_rows(sc, long_rows, Q)
-    sc = replace(sc, window_items=len(item_rows) == len(long_rows), window_item_rows=list(item_rows))
-    if skip:
-        return sc
-    res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w), item_rows))
-    sc = win.apply_item_windows(sc, item_rows, res, Q, aggregate=Q <= win.WINDOW_ITEMS_MAX)
-    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
-    return sc
-
-
-def _candidate_windows(grads: ModelGradients, sc: Scores, projector, cand: np.ndarray,
-                       exact_agg: np.ndarray) -> tuple[Scores, np.ndarray]:
-    # in row order, not the candidates' order: which rows share a forward batch (the last bits of their
-    # contributions) then does not depend on the projected scores that ordered the candidates
-    long_c = sorted(int(p) for p in cand if win.is_long(grads.toks[int(p)]))
-    if not long_c:
-        return sc, exact_agg
-    t0 = time.time()
-    dirs = rr.parameter_directions(sc, projector, exact_part=True)
-    item_rows = set(sc.window_item_rows)
-    jobs_rows = [p for p in long_c if p in item_rows]
-    res = scaled_contributions(sc, grads.contributions(dirs, jobs_rows)) if jobs_rows else {}
-    agg_only = [p for p in long_c if p not in item_rows]
-    res_agg = scaled_contributions(sc, grads.contributions(dirs.mean(), agg_only)) if agg_only else {}
-    sc, out = win.candidate_windows(sc, cand, long_c, res, res_agg, exact_agg, sc.w.shape[0])
-    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
-    return sc, out
-
-
-def scaled_contributions(sc: Scores, contribs: dict) -> dict:
+def scaled_contributions(basis: Basis, contribs: dict) -> dict:
     """Per-token contributions {(position, k): c} in the units of the row's score: times its `row_scale`."""
-    if sc.row_scale is None:
+    if basis.row_scale is None:
         return contribs
-    return {key: c * sc.scale_of(key[0]) for key, c in contribs.items()}
+    return {key: c * basis.scale_of(key[0]) for key, c in contribs.items()}

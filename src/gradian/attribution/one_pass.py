@@ -1,44 +1,55 @@
-"""Exact scores of every training row in one forward+backward pass per row, with no index.
+"""Exact scores of every training row in one forward+backward pass per row, with no index; the pass leaves a per-row
+store behind it (`store.rowstore`).
 
 The failing items are few, so their exact (parameter-space) query gradients are computed first; then each training
-row's exact LoRA gradient is formed once, from one batched backward, and reduced on the spot to what scoring needs:
-its inner product with every preconditioned unit query and its norm in the preconditioner's metric (unit rows).
-No projection is fitted, no index is written and nothing is re-ranked: the scores are exact.
+row's exact LoRA gradient is formed once, from one batched backward, and reduced on the spot to what scoring needs
+(`attribution.row_pass`): its inner product with every preconditioned unit query and its norm in the
+preconditioner's metric (unit rows), with two sketches of it for later. No projection is fitted and nothing is
+re-ranked: the scores are exact.
 
-The preconditioner is fitted on the rows held in memory before the rest are streamed (`plan_pass`): every row when
-(unique rows x exact width x 4 bytes) fits `memory_bytes` (then this is exactly the maths of an exact index: the
-same rows, the same batches, the same bits), else a seeded sample of as many rows as fit, whose gradients are
-scored from memory and never recomputed (the diagonal's per-coordinate second moment is then a sample mean over a
-few hundred rows: a vanishing share of a 100k-row pass, and no pass of its own).
+The preconditioner is fitted on the held rows before the rest are streamed (`plan_pass`): every row when (unique
+rows x exact width x 4 bytes) fits `memory_bytes` (then this is exactly the maths of an exact index: the same rows,
+the same batches, the same bits), else a seeded sample of as many rows as fit, whose gradients are scored from the
+held file and never recomputed (the diagonal's per-coordinate second moment is then a sample mean over a few
+hundred rows: a vanishing share of a 100k-row pass, and no pass of its own). The held rows go to the store's held
+file as they are computed and are read back in chunks: `memory_bytes` is disk, not memory.
 
 Conversations (`turns`): a chat row of several exchanges is also scored per exchange, from the same backward
 (`grads.capture.Segments`: the part of the row's gradient that the exchange's positions contribute), each exchange
 at unit norm in the preconditioner's metric, and ranked by its best exchange (`best_turns`): one planted reply
-among benign ones is not diluted by the rest of its conversation. `per_item` stays the whole row's score (what spans add
-up to). A held conversation's exchanges are held too, and count against `memory_bytes`.
+among benign ones is not diluted by the rest of its conversation. `per_item` stays the whole row's score (what spans
+add up to). A held conversation's exchanges are held too, and count against `memory_bytes`.
 
-Memory is `memory_bytes` for the held rows plus one batch and the [Q, D] directions: it does not grow with rows.
-Under torchrun batch j is rank j % N's; held rows and streamed results are gathered so that every rank holds one
-process's bits (`distributed.gather_by_index`).
+The store: every part is written as its batches finish, so a pass killed at any point resumes from the parts and
+held batches the store names, recomputing the same batches (the same bits); a rerun of the same question reads
+every score back; a later question on a finished store is `attribution.shortlist`'s. Without a kept store (a
+preconditioner that reads its rows at every use, torchrun) the pass writes the same files to a temporary one.
+Memory is one batch, one chunk of held rows and the [Q, D] unit queries: it does not grow with rows.
 """
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from ..distributed import current, gather_by_index
-from ..grads.capture import Segments
+from ..checks.convergence import gradient_agreement
 from ..grads.layout import exact_widths
-from ..progress import progress_bar
-from ..setup.batches import length_order, owned_batches
-from ..store.rows import RowSource
-from .precondition import Preconditioner
-from .scoring import Scores, aggregate, harm_directions, item_scores, unit_queries
+from ..setup.batches import length_order
+from ..store.rows import FileRows, RowSource
+from ..store.rowstore import RowStore
+from .basis import fit_preconditioner, inverse_norms, preconditioned_units, scaled_items
+from .precondition import restore
+from .row_pass import HeldLayout, Reducer, held_part, n_turns, streamed_parts, write_held
+from .scoring import aggregate, item_scores
+from .values import Basis, Exchanges, Scored, Scores
 
-# The default budget of the rows held in memory (the preconditioner's sample): the size `grads.projection_dim: auto`
+# The default budget of the held rows (the preconditioner's sample, on disk): the size `grads.projection_dim: auto`
 # allows an exact index on disk.
 DEFAULT_HELD_BYTES = 2 << 30
 HELD_MIN_ROWS = 64  # never fit a preconditioner on fewer rows than this when the rows exist
@@ -46,11 +57,11 @@ HELD_MIN_ROWS = 64  # never fit a preconditioner on fewer rows than this when th
 
 @dataclass(frozen=True)
 class PassPlan:
-    """Which rows a pass computes (one per distinct row content) and which of them it holds in memory."""
+    """Which rows a pass computes (one per distinct row content) and which of them it holds."""
 
     unique: tuple[int, ...]  # the first position of each distinct row, by (length, position)
-    held: tuple[int, ...]  # positions held in memory (every unique row, or a seeded sample of them), in length order
-    # (the batches); the held array keeps them in position order (`held_positions`), the order an index reads
+    held: tuple[int, ...]  # positions held (every unique row, or a seeded sample of them), in length order
+    # (the batches); the held file keeps them in position order (`held_positions`), the order an index reads
     streamed: tuple[int, ...]  # the other unique positions, in length order
     copies: tuple[int, ...]  # for every row, the unique position whose gradient it shares
 
@@ -85,162 +96,12 @@ def plan_pass(toks, width: int, memory_bytes: int, seed: int, extra: Optional[Se
                     tuple(p for p in unique if p not in held), tuple(copies))
 
 
-@dataclass(frozen=True)
-class Turns:
-    """Per-exchange parts of some rows' gradients: `vecs[m]` is exchange `turn[m]` of row `owner[m]`."""
-
-    owner: tuple[int, ...]  # row positions
-    turn: tuple[int, ...]  # exchange index within its row
-    vecs: np.ndarray  # float32 [M, D]
-
-
-def position_turns(labels: Optional[np.ndarray]) -> Optional[np.ndarray]:
-    """Per input position, the exchange of the token it predicts (the next one; the last position its own): the
-    positions whose outputs carry an exchange's losses are that exchange's segment."""
-    if labels is None:
-        return None
-    lab = np.asarray(labels, dtype=np.int64)
-    return np.concatenate([lab[1:], lab[-1:]]) if lab.size else lab
-
-
-def n_turns(labels: Optional[np.ndarray]) -> int:
-    return 0 if labels is None or not len(labels) else int(np.max(labels)) + 1
-
-
-def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[Sequence] = None
-                  ) -> Iterator[tuple[int, list[int], np.ndarray, Optional[Turns]]]:
-    """(batch index, positions, exact gradients float32 [B, D], the exchanges of its conversations or None) of
-    this rank's batches of `positions` (in the order given), one batched backward each. `turns[p]`: row p's
-    per-token exchange labels (`setup.alignment.token_exchanges`), None for a row scored whole."""
-    toks = grads.toks
-    exact = grads.exact()
-    device = next(grads.model.parameters()).device
-    with progress_bar(label, total=len(positions), split=True) as bar:
-        for j, part, ids, attn, sup in owned_batches(toks, list(positions), grads.batch_size, grads.pad_id, device,
-                                                     current().owns):
-            labels = [None] * len(part) if turns is None else [position_turns(turns[p]) for p in part]
-            if all(lab is None for lab in labels):
-                vecs, _ = exact.vectors(ids, attn, sup)
-                got = None
-            else:
-                seg = Segments.from_labels(labels, ids.shape[1], device)
-                vecs, u, _ = exact.segment_vectors(ids, attn, sup, seg)
-                got = Turns(tuple(part[b] for b in seg.owner.tolist()), tuple(seg.index),
-                            u.detach().cpu().numpy().astype(np.float32, copy=False))
-            yield j, part, vecs.detach().cpu().numpy().astype(np.float32, copy=False), got
-            bar.advance(len(part))
-
-
-def held_rows(grads, plan: PassPlan, turns: Optional[Sequence] = None) -> tuple[np.ndarray, Optional[Turns]]:
-    """(float32 [len(plan.held), D]: the held rows' exact gradients in position order (`plan.held_positions`), the
-    held conversations' exchanges in the same order or None), on every rank."""
-    out = np.empty((len(plan.held), grads.exact_width), dtype=np.float32)
-    row = {p: i for i, p in enumerate(plan.held_positions)}
-    owner = [p for p in plan.held_positions for _ in range(n_turns(None if turns is None else turns[p]))]
-    at = {}
-    for m, p in enumerate(owner):
-        at.setdefault(p, m)
-    tv = np.empty((len(owner), grads.exact_width), dtype=np.float32) if owner else None
-
-    def put(part, v, t: Optional[Turns]):
-        out[[row[p] for p in part]] = v
-        if t is not None:
-            tv[[at[o] + k for o, k in zip(t.owner, t.turn)]] = t.vecs
-
-    if not current().active:
-        # one process: each batch goes straight into its rows (no second copy of the held rows, whose size is
-        # the pass's memory budget)
-        for _, part, v, t in exact_batches(grads, plan.held, "gradients (held)", turns):
-            put(part, v, t)
-    else:
-        got = gather_by_index({j: (part, v, t) for j, part, v, t in
-                               exact_batches(grads, plan.held, "gradients (held)", turns)})
-        for j in sorted(got):
-            put(*got[j])
-    if tv is None:
-        return out, None
-    turn = [m - at[p] for m, p in enumerate(owner)]
-    return out, Turns(tuple(owner), tuple(turn), tv)
-
-
-def fit_on(kind, damping: Optional[float], rows: RowSource, widths: Sequence[int]) -> Preconditioner:
-    """`attribution.preconditioner` fitted on `rows` (exact layout: one block per LoRA site)."""
-    p = Preconditioner(kind, damping, list(widths))
-    if p.is_identity:
-        return p.fit(RowSource(np.zeros((0, rows.dim), dtype=np.float32)))
-    return p.fit(rows)
-
-
-def preconditioned_units(q: np.ndarray, pre: Preconditioner) -> tuple[np.ndarray, np.ndarray]:
-    """(unit preconditioned queries float32 [Q, D], their norms before scaling), as `scoring.score` makes them."""
-    if pre.is_identity:
-        return unit_queries(q), np.linalg.norm(np.asarray(q, dtype=np.float32), axis=1)
-    qp = pre.apply(q)
-    return unit_queries(qp), np.linalg.norm(qp, axis=1)
-
-
-def _norms(v: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
-    sq = np.square(np.asarray(v, dtype=np.float64))
-    return np.sqrt((sq @ weights) if weights is not None else sq.sum(1))
-
-
-def unit_sketch(sketch, rows: np.ndarray) -> np.ndarray:
-    """float32 [n, k]: the rows at unit norm, sketched, renormalised (what `explain.clusters.unit_rows` computes
-    with a sketch), so clusters of streamed rows are found as they would be from an index."""
-    return _unit(sketch.apply(_unit(np.asarray(rows, dtype=np.float32))))
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.where(n > 0, n, 1.0)).astype(np.float32)
-
-
-def streamed_inner(grads, positions: Sequence[int], unit: np.ndarray, weights: Optional[np.ndarray],
-                   sketch=None, turns: Optional[Sequence] = None
-                   ) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], dict]:
-    """(inner [Q, n] float32, norms [n] float64, sketches [n, k] or None, {position: (inner [Q, U], norms [U]) of
-    its exchanges}) of the rows at `positions`, from one backward per batch; no gradient is kept past its batch."""
-    got, tgot = {}, {}
-    for j, part, v, t in exact_batches(grads, positions, "gradients (scored)", turns):
-        sk = None if sketch is None else unit_sketch(sketch, v)
-        got[j] = (part, unit @ v.T, _norms(v, weights), sk)
-        if t is not None:
-            tgot[j] = turn_parts(t, unit, weights)
-    if current().active:
-        got = gather_by_index(got)
-        tgot = gather_by_index(tgot)
-    per_turn = {p: x for j in sorted(tgot) for p, x in tgot[j].items()}
-    n = len(positions)
-    inner = np.zeros((unit.shape[0], n), dtype=np.float32)
-    norms = np.zeros(n)
-    sk_out = None if sketch is None else np.zeros((n, sketch.k), dtype=np.float32)
-    at = 0
-    for j in sorted(got):
-        part, ip, nm, sk = got[j]
-        inner[:, at : at + len(part)] = ip
-        norms[at : at + len(part)] = nm
-        if sk_out is not None:
-            sk_out[at : at + len(part)] = sk
-        at += len(part)
-    return inner, norms, sk_out, per_turn
-
-
-TURN_CHUNK = 32  # exchange vectors reduced at a time (their float64 squares are a copy of the chunk)
-
-
-def turn_parts(t: Turns, unit: np.ndarray, weights: Optional[np.ndarray]) -> dict:
-    """{row position: (inner [Q, U] float32, norms [U] float64)} of its exchanges, in exchange order."""
-    M = t.vecs.shape[0]
-    ip = np.zeros((unit.shape[0], M), dtype=np.float32)
-    nm = np.zeros(M)
-    for a in range(0, M, TURN_CHUNK):
-        v = t.vecs[a : a + TURN_CHUNK]
-        ip[:, a : a + v.shape[0]] = unit @ v.T
-        nm[a : a + v.shape[0]] = _norms(v, weights)
+def item_parts(inner: np.ndarray, norms: np.ndarray, owner: Sequence[int]) -> dict:
+    """{row position: (inner [Q, U] float32, norms [U] float64) of its exchanges}, in the order listed."""
     out: dict = {}
-    for m, p in enumerate(t.owner):
-        out.setdefault(p, []).append(m)
-    return {p: (ip[:, ms], nm[ms]) for p, ms in out.items()}
+    for m, p in enumerate(owner):
+        out.setdefault(int(p), []).append(m)
+    return {p: (inner[:, ms], norms[ms]) for p, ms in out.items()}
 
 
 def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequence[int]) -> tuple[np.ndarray, dict]:
@@ -257,7 +118,7 @@ def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequen
         if c not in parts:
             continue
         ip, nm = parts[c]
-        sc = item_scores(ip, direction) * np.where(nm > 0, 1.0 / np.maximum(nm, 1e-300), 0.0)[None, :]
+        sc = item_scores(ip, direction) * inverse_norms(nm)[None, :]
         rank_item[:, r] = sc.max(axis=1).astype(rank_item.dtype)
         found[r] = {"best": sc.argmax(axis=1).astype(np.int64), "scores": sc.astype(np.float32)}
     return rank_item, found
@@ -265,79 +126,174 @@ def best_turns(per_item: np.ndarray, parts: dict, direction: str, copies: Sequen
 
 @dataclass(frozen=True)
 class OnePass:
-    """What one pass yields besides the scores: the rows it held (the preconditioner's sample; every row when
-    `plan.all_held`) and, when not every row was held, a unit CountSketch of every row (the clusters' features)."""
+    """What one pass yields besides the scores: its plan, what clusters group rows on (the exact rows when every row
+    was held, else a unit CountSketch of each row), the held rows' gradient agreement (`train.not_converged`),
+    and the store it left."""
 
     plan: PassPlan
-    held: RowSource
-    sketches: Optional[np.ndarray]
-
-    def cluster_features(self, n: int):
-        """What `explain.clusters` groups rows on: the exact rows (a RowSource in training order) when held, else
-        the rows' sketches."""
-        if self.plan.all_held:
-            where = {p: j for j, p in enumerate(self.plan.held_positions)}
-            pick = [where[c] for c in self.plan.copies]
-            # no copy of the rows when each is its own (no duplicated content): they are already in training order
-            return self.held if pick == list(range(self.held.n)) else self.held.subset(pick)
-        return self.sketches
+    width: int
+    features: object
+    agreement: Optional[tuple]
+    store: Optional[str]  # the store's directory (None: a temporary one, gone)
+    reused: int = 0  # rows whose scores were read back from the store
 
     def describe(self) -> dict:
-        return {"mode": "one pass, exact scores (no index)", "unique_rows": len(self.plan.unique),
-                "held_rows": len(self.plan.held), "streamed_rows": len(self.plan.streamed),
-                "width": int(self.held.dim),
-                "preconditioner_rows": "every row" if self.plan.all_held else
-                f"a seeded sample of {len(self.plan.held)} rows held in memory"}
+        out = {"mode": "one pass, exact scores (no index)", "unique_rows": len(self.plan.unique),
+               "held_rows": len(self.plan.held), "streamed_rows": len(self.plan.streamed), "width": int(self.width),
+               "preconditioner_rows": "every row" if self.plan.all_held else
+               f"a seeded sample of {len(self.plan.held)} rows, held on disk while the pass runs"}
+        return out
+
+
+def question_key(unit: np.ndarray) -> str:
+    """What a store's inner products answer: the unit (preconditioned) queries' bytes."""
+    u = np.ascontiguousarray(unit, dtype=np.float32)
+    return hashlib.sha256(repr(u.shape).encode() + u.tobytes()).hexdigest()[:24]
+
+
+@contextmanager
+def opened(root: Optional[Path], key: str, meta: dict) -> Iterator[RowStore]:
+    """The store at `root`, or a temporary one (removed afterwards) when none is kept."""
+    if root is not None:
+        with RowStore.open(root, key=key, meta=meta) as st:
+            yield st
+        return
+    with tempfile.TemporaryDirectory(prefix="gradian-rows-") as tmp:
+        with RowStore.open(Path(tmp), key=key, meta=meta) as st:
+            yield st
+
+
+@dataclass
+class PassState:
+    """A pass at the point its questions are known: the plan, where the held rows sit, the fitted preconditioner,
+    the unit queries and their norms, what rows are reduced to, the question's key (`question_key`)."""
+
+    plan: PassPlan
+    layout: HeldLayout
+    width: int
+    pre: object
+    unit: np.ndarray
+    qnorms: np.ndarray
+    reducer: Reducer
+    qkey: str
+    held: Optional[FileRows] = None  # the held file, when this pass wrote or read it
+
+
+def prepare(grads, qitems, settings, store: RowStore, turns: Optional[Sequence], *,
+            memory_bytes: int = DEFAULT_HELD_BYTES, sketch_dim: Optional[int] = None) -> PassState:
+    """The plan, the exact query gradients, the preconditioner (the store's when it has one, its bits; else fitted
+    on the held rows, computed into the store's held file), the unit queries."""
+    widths = exact_widths(grads.sites)
+    width = int(sum(widths))
+    plan = plan_pass(grads.toks, width, memory_bytes, settings.seed,
+                     None if turns is None else [n_turns(t) for t in turns])
+    layout = HeldLayout.of(plan.held_positions, turns)
+    q = grads.query_vectors(qitems, exact=True)
+    state = store.preconditioner_state() or None
+    held = None
+    if state is None:
+        held = _held(grads, store, plan, layout, turns, width)
+        pre = fit_preconditioner(settings.preconditioner, settings.damping, held.subset(range(len(plan.held))),
+                                 widths)
+    else:  # a resumed pass, a rerun or a later question: the preconditioner the pass fitted, its bits
+        pre = restore(state)
+    unit, qnorms = preconditioned_units(q, pre)
+    reducer = Reducer.make(unit, pre.metric_weights(), width, settings.seed, sketch_dim)
+    return PassState(plan, layout, width, pre, unit, qnorms, reducer, question_key(unit), held)
+
+
+def run_pass(grads, store: RowStore, ps: PassState, settings, turns: Optional[Sequence], keep: bool
+             ) -> tuple[Scored, OnePass]:
+    """Every row the store lacks for this question computed and reduced into it (the held rows' part from the held
+    file, the others batch by batch), then the scores of every row from the store's parts."""
+    plan = ps.plan
+    reused = sum(int(p["rows"]) for p in store.m["parts"]) if store.question == ps.qkey else 0
+    if store.question != ps.qkey or store.m["precond"] is None:
+        store.save_preconditioner(ps.pre.state() if ps.pre.storable else {}, ps.qkey)  # drops another's parts
+    if "h" not in store.done():
+        held = ps.held or _held(grads, store, plan, ps.layout, turns, ps.width)
+        part = held_part(ps.reducer, held, ps.layout, grads.batch_size)
+        agree = gradient_agreement(c for _, _, c in held.subset(range(len(plan.held))).chunks())
+        part["agreement"] = np.asarray(agree if agree is not None else (np.nan, 0), dtype=np.float64)
+        store.put_part("h", part)
+    streamed_parts(grads, store, ps.reducer, plan.streamed, turns)
+    st, features, agree = assemble(store, plan, ps.unit, ps.qnorms, ps.pre, settings, len(grads.toks), keep)
+    if not store.sealed:
+        store.seal(keep_held=plan.all_held and keep)
+    return st, OnePass(plan, ps.width, features, agree, str(store.root) if keep else None, reused)
+
+
+def pass_turns(turns: Optional[Sequence], settings) -> Optional[Sequence]:
+    """The exchanges a pass scores: with unit rows only (a raw score is the sum of its exchanges'), and only when a
+    row has some."""
+    if turns is not None and (not settings.unit_rows or all(t is None for t in turns)):
+        return None
+    return turns
 
 
 def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_BYTES,
-                   sketch_dim: Optional[int] = None, turns: Optional[Sequence] = None) -> tuple[Scores, OnePass]:
-    """Per-item exact scores [Q, N] of every row (`Scores`, in the exact layout: `w` and `unit` are [Q, D_exact])
-    from the exact query gradients and one backward per distinct row. `turns[p]`: row p's per-token exchange
-    labels (None: scored whole); used with unit rows only (a raw score is the sum of its exchanges')."""
-    toks = grads.toks
-    widths = exact_widths(grads.sites)
-    width = int(sum(widths))
-    if turns is not None and (not settings.unit_rows or all(t is None for t in turns)):
-        turns = None
-    plan = plan_pass(toks, width, memory_bytes, settings.seed,
-                     None if turns is None else [n_turns(t) for t in turns])
-    q = grads.query_vectors(qitems, exact=True)
-    held_arr, held_turns = held_rows(grads, plan, turns)
-    held = RowSource(held_arr)
-    pre = fit_on(settings.preconditioner, settings.damping, held, widths)
-    unit, qnorms = preconditioned_units(q, pre)
-    weights = pre.metric_weights()
-    Q = unit.shape[0]
-    inner_u = np.zeros((Q, len(toks)), dtype=np.float32)
-    norms_u = np.zeros(len(toks))
-    h_idx = plan.held_positions
-    inner_u[:, h_idx] = held.inner(unit)
-    norms_u[h_idx] = held.row_norms(weights)
-    parts = {} if held_turns is None else turn_parts(held_turns, unit, weights)
-    sketches = None
-    if plan.streamed:
-        from ..explain.clusters import SKETCH_DIM, CountSketch
+                   sketch_dim: Optional[int] = None, turns: Optional[Sequence] = None,
+                   store_root: Optional[Path] = None, store_key: str = "") -> tuple[Scored, OnePass]:
+    """Per-item exact scores [Q, N] of every row (`Scored`, in the exact layout: `unit` is [Q, D_exact]) from the
+    exact query gradients and one backward per distinct row, kept in the store at `store_root` (None: a temporary
+    one). `turns[p]`: row p's per-token exchange labels (None: scored whole)."""
+    turns = pass_turns(turns, settings)
+    meta = {"rows": len(grads.toks)}
+    with opened(store_root, store_key, meta) as store:
+        ps = prepare(grads, qitems, settings, store, turns, memory_bytes=memory_bytes, sketch_dim=sketch_dim)
+        return run_pass(grads, store, ps, settings, turns, store_root is not None)
 
-        sketch = CountSketch(width, sketch_dim or SKETCH_DIM, settings.seed)
-        s_idx = list(plan.streamed)
-        ip, nm, sk, tp = streamed_inner(grads, s_idx, unit, weights, sketch, turns)
-        inner_u[:, s_idx], norms_u[s_idx] = ip, nm
-        parts.update(tp)
-        sketches = np.zeros((len(toks), sketch.k), dtype=np.float32)
-        sketches[s_idx] = sk
-        for a, b, rows in held.chunks():
-            sketches[h_idx[a:b]] = unit_sketch(sketch, rows)
+
+def _held(grads, store: RowStore, plan: PassPlan, layout: HeldLayout, turns, width: int) -> FileRows:
+    """The held file with every held batch in it (the batches the store lacks computed now)."""
+    rows = store.held_rows(layout.slots, width)
+    write_held(grads, store, plan.held, layout, turns)
+    return rows
+
+
+def assemble(store: RowStore, plan: PassPlan, unit: np.ndarray, qnorms: np.ndarray, pre, settings, n: int,
+             keep: bool) -> tuple[Scored, object, Optional[tuple]]:
+    """The scores of every row from the store's parts (the parts hold each distinct row once; copies share it)."""
+    Q = unit.shape[0]
+    inner_u = np.zeros((Q, n), dtype=np.float32)
+    norms_u = np.zeros(n)
+    clusters = None if plan.all_held else np.zeros((n, 0), dtype=np.float32)
+    parts: dict = {}
+    agree = None
+    for arr in store.parts():
+        pos = arr["positions"]
+        inner_u[:, pos], norms_u[pos] = arr["inner"], arr["norms"]
+        if clusters is not None:
+            if clusters.shape[1] != arr["cluster"].shape[1]:
+                clusters = np.zeros((n, arr["cluster"].shape[1]), dtype=np.float32)
+            clusters[pos] = arr["cluster"]
+        if "t_owner" in arr:
+            parts.update(item_parts(arr["t_inner"], arr["t_norms"], arr["t_owner"]))
+        if "agreement" in arr and np.isfinite(arr["agreement"][0]):
+            agree = (float(arr["agreement"][0]), int(arr["agreement"][1]))
     copies = list(plan.copies)
     inner, norms = inner_u[:, copies], norms_u[copies]
-    if sketches is not None:
-        sketches = sketches[copies]
-    per_item = item_scores(inner, settings.direction)
-    scale = None
-    if settings.unit_rows:
-        scale = np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
-        per_item = (per_item * scale[None, :]).astype(per_item.dtype)
+    scale = inverse_norms(norms) if settings.unit_rows else None
+    per_item = scaled_items(inner, settings.direction, scale)
     rank_item, found = best_turns(per_item, parts, settings.direction, copies) if parts else (per_item, {})
-    sc = Scores(per_item=per_item, w=harm_directions(unit, settings.direction), unit=unit, norms=qnorms,
-                precond=pre, rank_item=rank_item, rank_agg=aggregate(rank_item), row_scale=scale, turns=found)
-    return sc, OnePass(plan, held, sketches)
+    st = Scored(Scores(per_item, rank_item, aggregate(rank_item)), Basis(unit, qnorms, pre, settings.direction, scale),
+                exchanges=Exchanges(found))
+    return st, features_of(store, plan, clusters, keep), agree
+
+
+def features_of(store: RowStore, plan: PassPlan, clusters: Optional[np.ndarray], keep: bool):
+    """What `explain.clusters` groups rows on: the rows' sketches, or the exact rows in training order when every row
+    was held (the kept held file; read into memory from a temporary store, which goes)."""
+    if clusters is not None:
+        return clusters[list(plan.copies)]
+    if store.held_file is None:
+        return None
+    width, slots = store.m["held"]["shape"][1], store.m["held"]["shape"][0]
+    where = {p: j for j, p in enumerate(plan.held_positions)}
+    pick = [where[c] for c in plan.copies]
+    if keep:
+        return FileRows(store.held_file, width, pick, n_file=slots)
+    held = FileRows(store.held_file, width, n_file=slots)
+    arr = held.read32(0, len(plan.held))
+    # no copy of the rows when each is its own (no duplicated content): they are already in training order
+    return RowSource(arr) if pick == list(range(len(plan.held))) else RowSource(arr[pick])

@@ -278,43 +278,8 @@ def trajectory_scores(grads, traj: Trajectory, q_exact: np.ndarray, direction: s
     return direction_sign(direction) * out
 
 
-def optimizer_scores(s, qitems, direction: str) -> tuple[Optional[np.ndarray], str, Optional[Trajectory]]:
-    """(per-item scores [Q, N], "", trajectory) for the session's adapter when it has a recorded trajectory that
-    fits its training set, else (None, why, None)."""
-    from ..setup.records import dataset_fingerprint
-    from .engine import ModelGradients
-
-    traj, why = read_trajectory(s.adapter_path, n_rows=len(s.examples),
-                                dataset_fingerprint=dataset_fingerprint(s.examples), sites=s.sites)
-    if traj is None:
-        return None, why, None
-    grads = ModelGradients.from_session(s, _exact_capture(s))
-    q_ex = grads.query_vectors(qitems, exact=True)
-    return trajectory_scores(grads, traj, q_ex, direction), "", traj
-
-
-def over_trajectory(s, sc, qitems, settings):
-    """(`sc` with its scores (the final adapter's) replaced by the optimizer-aware ones, the report entry) when the
-    adapter has a recorded trajectory; else flag why and return (`sc`, None)."""
-    import time
-
-    t0 = time.time()
-    P, why, traj = optimizer_scores(s, qitems, settings.direction)
-    if P is None:
-        s.log.flag("attribution.no_trajectory", "warning",
-                   f"attribution.optimizer is adamw but {why}; the scores are the preconditioned ones",
-                   "train the adapter with `gradian train` (it records the optimizer's trajectory beside the adapter)")
-        return sc, None
-    sc = sc.with_scores(P, P.copy())
-    s.log.timings["optimizer"] = round(time.time() - t0, 3)
-    return sc, {"optimizer": "adamw", "epochs": len(traj.epochs), "steps": len(traj.steps), "file": str(traj.path),
+def trajectory_entry(traj: Trajectory) -> dict:
+    """The report's `query.optimizer` entry of scores from `traj`."""
+    return {"optimizer": "adamw", "epochs": len(traj.epochs), "steps": len(traj.steps), "file": str(traj.path),
             "rule": "first-order effect of removing each row on the recorded AdamW run (momentum and second-moment "
                     "coupling), per unit query norm; re-ranking, windows, spans and blame use the final adapter"}
-
-
-def _exact_capture(s):
-    from ..grads.capture import GradientCapture
-    from ..grads.layout import site_shapes
-    from ..projection import Projector
-
-    return GradientCapture(s.model, s.sites, Projector(site_shapes(s.sites)), chunk=s.cfg.grads.loss_chunk_tokens)

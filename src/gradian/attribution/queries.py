@@ -110,7 +110,7 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     answer is the target instead (`contrastive`: grad[loss(expected) - loss(generated)]). `classic`: grad
     loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query."""
     metric = metric if metric is not None else getattr(cap, "metric", None)
-    if formulation in ("behaviour", "auto"):  # own-words queries until `behaviour.behaviour_queries` samples
+    if formulation in ("behaviour", "auto"):  # own-words queries until `pipeline.behaviour_queries` samples
         formulation = "contrastive"
     likelihood = metric is not None and metric_kind(str(metric)) is MetricKind.loglik
     out = []

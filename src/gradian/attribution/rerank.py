@@ -16,8 +16,9 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
 from ..grads.layout import expand
-from .directions import BackProjected, Directions, ExactPart
-from .scoring import Scores, aggregate, harm_factor, rank
+from .directions import BackProjected, Directions, ExactPart, HarmDirections
+from .scoring import aggregate, harm_factor, rank
+from .values import Basis, Rerank, Scored
 
 
 def topk_recall(exact: np.ndarray, approx: np.ndarray, k: int) -> float:
@@ -60,7 +61,7 @@ def order_scores(order: np.ndarray) -> np.ndarray:
     return out
 
 
-def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_widths, exact_widths,
+def exact_directions(basis: Basis, q_index: np.ndarray, exact_queries, index_widths, exact_widths,
                      direction: str) -> tuple[ExactPart, Optional[np.ndarray]]:
     """(e, r or None): a candidate's exact score is <e_k, g_exact> (+ <r_k, P(g)>). `exact_queries(ks)` gives the
     exact query gradients of items ks (float32 [len(ks), D_exact]; an in-memory [Q, D_exact] array also serves);
@@ -68,17 +69,17 @@ def exact_directions(sc: Scores, q_index: np.ndarray, exact_queries, index_width
     if not callable(exact_queries):
         arr = np.asarray(exact_queries, dtype=np.float32)
         exact_queries = lambda ks: arr[list(ks)]  # noqa: E731
-    pre = sc.precond
+    pre = basis.precond
     Q = q_index.shape[0]
     if pre.is_identity:
         return ExactPart(exact_queries, np.full(Q, harm_factor(direction)), exact_widths, unit=True), None
     # the unit scaling of each preconditioned query, harm-signed: what `score` applied to H^-1 q
-    c = harm_factor(direction) / np.maximum(sc.norms, 1e-30)
+    c = harm_factor(direction) / np.maximum(basis.norms, 1e-30)
     if pre.parameter_space:  # preconditioned in parameter space: q_exact is H^-1 q already, nothing left in index space
         return ExactPart(exact_queries, c, exact_widths), None
     scale_idx = expand(pre.identity_scale, index_widths)
     e = ExactPart(exact_queries, c, exact_widths, scale=np.asarray(pre.identity_scale, dtype=np.float64))
-    r = sc.w - c[:, None] * scale_idx[None, :] * q_index.astype(np.float64)
+    r = basis.w - c[:, None] * scale_idx[None, :] * q_index.astype(np.float64)
     return e, r
 
 
@@ -120,31 +121,33 @@ def fidelity_sample(n: int, k: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=min(k, n), replace=False))
 
 
-def put_exact_items(sc: Scores, cand: np.ndarray, exact: np.ndarray) -> Scores:
-    """`sc` with the candidates' exact per-item scores [Q, len(cand)] in place of their projected ones."""
-    per_item = sc.per_item.copy()
+def put_exact_items(st: Scored, cand: np.ndarray, exact: np.ndarray) -> Scored:
+    """`st` with the candidates' exact per-item scores [Q, len(cand)] in place of their projected ones."""
+    per_item = st.scores.per_item.copy()
     per_item[:, cand] = exact
-    rank_item = sc.rank_item.copy()
+    rank_item = st.scores.rank_item.copy()
     rank_item[:, cand] = exact
-    return replace(sc, cand=cand.astype(np.int64), per_item=per_item, rank_item=rank_item)
+    return replace(st, scores=replace(st.scores, per_item=per_item, rank_item=rank_item),
+                   rerank=replace(st.rerank, cand=cand.astype(np.int64)))
 
 
-def put_exact_order(sc: Scores, cand: np.ndarray, exact_agg: np.ndarray) -> Scores:
-    """`sc` with the candidates first in the ranking, by their exact ranking scores; every other row after them."""
-    rank_agg = sc.rank_agg.copy()
+def put_exact_order(st: Scored, cand: np.ndarray, exact_agg: np.ndarray) -> Scored:
+    """`st` with the candidates first in the ranking, by their exact ranking scores; every other row after them."""
+    rank_agg = st.scores.rank_agg.copy()
     rank_agg[cand] = exact_agg
-    return replace(sc, order=rerank_order(sc.rank_agg, cand, exact_agg), rank_agg=rank_agg)
+    return replace(st, scores=replace(st.scores, order=rerank_order(st.scores.rank_agg, cand, exact_agg),
+                                      rank_agg=rank_agg))
 
 
-def parameter_directions(sc: Scores, projector, exact_part: bool) -> Directions:
+def parameter_directions(basis: Basis, rerank: Rerank, projector, exact_part: bool) -> Directions:
     """Parameter-space directions (one per item, produced block by block: `attribution.directions`) whose inner
     products with a row's exact gradient give its score: P^T w for index-scored rows; P^T r + e for a projected
     index's re-ranked candidates."""
-    if not exact_part or sc.e is None:
-        return BackProjected(projector, sc.w)
-    if sc.r is None:
-        return sc.e
-    return BackProjected(projector, sc.r) + sc.e
+    if not exact_part or rerank.e is None:
+        return HarmDirections(projector, basis)
+    if rerank.r is None:
+        return rerank.e
+    return BackProjected(projector, rerank.r) + rerank.e
 
 
 def self_check(exact_s: np.ndarray, projected_s: np.ndarray, sample: np.ndarray, order: Optional[np.ndarray],

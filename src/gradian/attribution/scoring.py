@@ -6,14 +6,13 @@ training on z pushed the model toward the failure ("harmful", accused); a negati
 toward the right answer ("helpful"). With the contrastive query L_q = loss(expected) - loss(generated wrong answer).
 For an improvement the scores are flipped (`direction_sign`), so they rank the rows that helped it.
 
-`score` turns query gradients, training rows and a fitted preconditioner into a `Scores` (per-item scores [Q, N]
-and the harm-signed directions that reproduce them, `per_item = w @ g`); `attribution.windows`,
-`attribution.rerank` and `attribution.checkpoints` refine it, each from arrays alone.
+`attribution.basis.score` turns query gradients, training rows and a fitted preconditioner into scores (the typed
+values of `attribution.values`); `attribution.windows`, `attribution.rerank` and `attribution.states` refine them,
+each from arrays alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -77,11 +76,29 @@ def robust_z(scores: np.ndarray) -> tuple[np.ndarray, float, float]:
     return (s - med) / scale, med, scale
 
 
-def item_z(rank_item: np.ndarray) -> np.ndarray:
-    """Each item's scores [Q, N] as robust z-scores against that item's own rows (`robust_z`: the median and
-    1.4826 x MAD of the item's scores over every row), float64."""
-    return np.stack([robust_z(r)[0] for r in np.asarray(rank_item)]) if len(rank_item) else \
-        np.zeros((0, np.shape(rank_item)[1]))
+def item_z(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> np.ndarray:
+    """Each item's scores [Q, N] as robust z-scores against that item's own rows (`robust_z`: the median
+    and 1.4826 x MAD of the item's scores over every row), float64; `spread`: `item_z_scales`'."""
+    return item_z_scales(rank_item, spread)[0]
+
+
+def item_z_scales(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(`item_z`, each item's scale [Q]). With `spread` [Q, N] (the
+    errors of scores known only up to them: a later question's sketched rows, `attribution.shortlist`; 0 where
+    exact) the scale is the scores' own, sqrt(scale^2 - mean spread^2) (a floor of a quarter keeps a noise-dominated
+    item finite)."""
+    s = np.asarray(rank_item, dtype=np.float64)
+    if not len(s):
+        return np.zeros((0, s.shape[1])), np.zeros(0)
+    z, scales = [], []
+    for k, row in enumerate(s):
+        zz, med, sc = robust_z(row)
+        if spread is not None and sc > 0:
+            sc = float(np.sqrt(max(sc ** 2 - float(np.mean(np.square(spread[k]))), (0.25 * sc) ** 2)))
+            zz = (row - med) / sc
+        z.append(zz)
+        scales.append(sc if sc > 0 else 1.0)
+    return np.stack(z), np.asarray(scales)
 
 
 def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
@@ -94,13 +111,14 @@ def combine_items(rank_item: np.ndarray, how: str) -> np.ndarray:
     return strongest_items(rank_item)[0] if how == "max" else aggregate(rank_item)
 
 
-def strongest_items(rank_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def strongest_items(rank_item: np.ndarray, spread: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
     """(each row's robust z on the item it stands out on most [N], that item's index [N]): `combine_items` max and
-    the item whose best exchange names a conversation's `turn`, from one z computation."""
+    the item whose best exchange names a conversation's `turn`, from one z computation (`item_z`, `spread` the
+    errors of sketched scores)."""
     if not len(rank_item):
         n = np.shape(rank_item)[1]
         return np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.int64)
-    z = item_z(rank_item)
+    z = item_z(rank_item, spread)
     return z.max(axis=0), z.argmax(axis=0)
 
 
@@ -155,84 +173,51 @@ def degenerate(query_norms: np.ndarray, scores: Optional[np.ndarray]) -> Optiona
     return None
 
 
-@dataclass(frozen=True)
-class Scores:
-    """Per-item scores of every training row and what reproduces them.
+class Combined:
+    """Each row's combined ranking score (`combine_items`) when each per-item score carries an error of spread
+    `sigma` [Q, N] (0 for a score known exactly): the per-item terms the combination adds (mean: the score / Q) or
+    takes the largest of (max: the score in robust z units of its item's rows, `item_z` with the errors' spread),
+    and their spreads in the same units. What a shortlist needs: the score, what a row could
+    reach (`upper`), and the chance it exceeds a cut (`exceed`, the errors taken as normal)."""
 
-    Directions are harm-signed and include the per-item normalisation: a row's per-item score is <w_i, g_row> in
-    index space, or, for a re-ranked candidate of a projected index, <r_i, g_row> (index space) + <e_i,
-    g_row_exact> (parameter space), times the row's `row_scale` (1 / its norm) when rows are unit-normalised."""
+    def __init__(self, rank_item: np.ndarray, sigma: np.ndarray, how: str):
+        s = np.asarray(rank_item, dtype=np.float64)
+        sigma = np.asarray(sigma, dtype=np.float64)
+        self.how = how
+        if how == "max":
+            self.terms, scale = item_z_scales(s, sigma)
+            unit = scale[:, None]
+        else:
+            unit = np.full((s.shape[0], 1), float(max(s.shape[0], 1)))
+            self.terms = s / unit
+        self.spread = np.asarray(sigma, dtype=np.float64) / unit
 
-    per_item: np.ndarray  # [Q, N] total scores (exact for re-ranked candidates)
-    w: np.ndarray  # [Q, dim] index-space directions
-    unit: np.ndarray  # [Q, dim] float32 unit (preconditioned) queries, what the index is scored against
-    norms: np.ndarray  # [Q] norms of the (preconditioned) query gradients before the unit scaling
-    precond: object  # the fitted `Preconditioner`
-    rank_item: Optional[np.ndarray] = None  # [Q, N] scores the per-item rankings use (best window for long rows)
-    rank_agg: Optional[np.ndarray] = None  # [N] the score the ranking uses
-    order: Optional[np.ndarray] = None  # the ranking order when it is not rank(rank_agg) (exact re-ranking)
-    fidelity: Optional[dict] = None  # projected-vs-exact self-check
-    cand: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # re-ranked candidates
-    r: Optional[np.ndarray] = None  # [Q, dim] index-space part of a candidate's exact score
-    e: Optional[np.ndarray] = None  # [Q, D_exact] parameter-space part
-    long_rows: list = field(default_factory=list)
-    windows: dict = field(default_factory=dict)  # position -> {"tokens": (a, b), "score": best window (aggregate)}
-    window_items: bool = False  # per-item window scores computed for every long row
-    window_item_rows: list = field(default_factory=list)  # the long rows with per-item window scores
-    # 1 / |g_z| per row (unit rows; exact for re-ranked candidates): a row's score is <w, g_z> * row_scale[z], and
-    # its windows' and spans' contributions are scaled the same way. None: raw inner products.
-    row_scale: Optional[np.ndarray] = None
-    # conversations ranked by their best exchange (one pass, unit rows): position -> {"best": [Q] exchange index of
-    # each item's best, "scores": [Q, U] each exchange's unit score}; `rank_item` holds the best, `per_item` the row
-    turns: dict = field(default_factory=dict)
+    @property
+    def score(self) -> np.ndarray:
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        return self.terms.max(0) if self.how == "max" else self.terms.sum(0)
 
-    def scale_of(self, p: int) -> float:
-        return 1.0 if self.row_scale is None else float(self.row_scale[p])
+    def upper(self, m: float) -> np.ndarray:
+        """What each row's combined score reaches with every item's error `m` spreads in its favour."""
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        if self.how == "max":
+            return (self.terms + m * self.spread).max(0)
+        return self.terms.sum(0) + m * self.spread.sum(0)
 
-    def with_scores(self, per_item: np.ndarray, rank_item: np.ndarray) -> "Scores":
-        """These scores replaced (an average over checkpoints, the optimizer-aware scores): the ranking follows
-        them, and an exact re-rank's order of the old ones is dropped."""
-        return replace(self, per_item=per_item, rank_item=rank_item, rank_agg=aggregate(rank_item), order=None)
+    def exceed(self, cut: float) -> np.ndarray:
+        """P(a row's true combined score >= cut), its errors normal and (mean) fully correlated across items."""
+        from scipy.special import ndtr
 
-
-def row_scales(rows, preconditioner) -> np.ndarray:
-    """1 / |g_z| of every row in the preconditioner's metric (`Preconditioner.metric_weights`); 0 for a zero row.
-
-    Why unit rows (a cosine in the preconditioner's metric) are the default: on real pretrained models raw inner
-    products rank rows by the size of their gradient, so high-loss, long or chatty rows dominate, and a row the
-    fine-tune memorised (the planted fact it learned) has a small gradient at the final adapter whatever it caused.
-    Measured on SmolLM2-135M-Instruct's planted facts at the final adapter: AUPRC 0.84 with raw preconditioned
-    inner products, 1.00 with unit rows (bench/README.md)."""
-    norms = rows.row_norms(preconditioner.metric_weights())
-    return np.where(norms > 0, 1.0 / np.maximum(norms, 1e-300), 0.0)
-
-
-def score(queries: np.ndarray, rows, preconditioner, direction: str, *, unit_rows: bool = True) -> Scores:
-    """Per-item scores of every row for each query gradient (float32 [Q, dim] in the rows' space), through a fitted
-    preconditioner (q <- H^-1 q, then unit norm), each row scaled to unit norm in the preconditioner's metric
-    unless `unit_rows` is false. `rows` is a `store.rows.RowSource` (its `inner` is the one matmul against the
-    index)."""
-    q = np.asarray(queries)
-    if preconditioner.is_identity:
-        unit = unit_queries(q)
-        norms = np.linalg.norm(q.astype(np.float32), axis=1)
-    else:
-        qp = preconditioner.apply(q)
-        norms = np.linalg.norm(qp, axis=1)
-        unit = unit_queries(qp)
-    scale = row_scales(rows, preconditioner) if unit_rows else None
-    return score_directions(unit, norms, rows, preconditioner, direction, scale)
-
-
-def score_directions(unit: np.ndarray, norms: np.ndarray, rows, preconditioner, direction: str,
-                     row_scale: Optional[np.ndarray] = None) -> Scores:
-    """`score` from queries already preconditioned and scaled: `unit` [Q, dim] in the rows' space (float32), the
-    norms [Q] they were scaled by. A preconditioner that works in parameter space (EK-FAC) preconditions the exact
-    query, projects it and scales it by the exact norm, so projected and exact scores share one scale."""
-    unit = np.asarray(unit, dtype=np.float32)
-    per_item = item_scores(rows.inner(unit), direction)
-    if row_scale is not None:
-        per_item = (per_item * row_scale[None, :]).astype(per_item.dtype)
-    return Scores(per_item=per_item, w=harm_directions(unit, direction), unit=unit, norms=norms,
-                  precond=preconditioner, rank_item=per_item, rank_agg=aggregate(per_item),
-                  row_scale=None if row_scale is None else np.asarray(row_scale, dtype=np.float64))
+        if not len(self.terms):
+            return np.zeros(self.terms.shape[1])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            if self.how == "max":
+                below = np.where(self.spread > 0, ndtr((cut - self.terms) / self.spread),
+                                 (self.terms < cut).astype(np.float64))
+                return 1.0 - np.prod(below, axis=0)
+            spread = self.spread.sum(0)
+            score = self.terms.sum(0)
+            return np.where(spread > 0, ndtr((score - cut) / np.where(spread > 0, spread, 1.0)),
+                            (score >= cut).astype(np.float64))

@@ -1,251 +1,220 @@
-"""Which scores a run reports, computed once: `scores_for` is the one entry for `attribute`, `fidelity`, `verify`
-and the benches.
+"""The scoring engine's one entry: `scores_for` gives the scores a run reports, for `attribute`, `fidelity`,
+`verify` and the benches.
 
-Adapter states. `attribution.checkpoints: earliest` (the default) scores every row at one adapter state, the
-earliest checkpoint saved with the adapter (the final adapter when none was saved): a row the fine-tune memorised
-by the end has a small gradient at the final adapter whatever it taught, and the earliest checkpoint ranked the
-planted rows at least as well as the TracIn mean on every real-model scenario measured (bench/README.md). `auto`,
-`N` and `attribution.checkpoint_adapters` average several states (TracIn-CP, `attribution.checkpoints`), each
-scored the same way.
+Adapter states (`attribution.states`): one strategy says which states are scored and how their scores combine (the
+earliest saved checkpoint alone by default; a TracIn average; the recorded AdamW trajectory). Each state is scored
+by `score_state` from one row source:
 
-Per state, the scores are exact. When the exact index is small enough to store (`grads.projection_dim: auto`
-keeps it exact: the built-in models), it is the row source (cached, resumable, one pass when built); otherwise one
-pass over the rows computes the exact scores directly (`attribution.one_pass`) and no projected index is built.
-Conversations ranked by exchange (`attribution.per_turn`) always take the one pass: the index holds whole rows.
-A projected index is scored (with its exact re-rank) only where the preconditioner works on one (`ekfac`) or the
-optimizer-aware scores need the final adapter's index (`attribution.optimizer: adamw`), or where
-`grads.projection_dim` asks for a fixed width.
+* the first pass over the rows (`attribution.one_pass`): exact query gradients, then one backward per row reduced
+  on the spot to its score against every query and its norm in the preconditioner's metric; the default where the
+  exact index would not be stored (`grads.projection_dim: auto` on real widths), and always for conversations ranked
+  by exchange (`attribution.per_turn`: the index holds whole rows);
+* a gradient index (`attribution.indexed`): the exact index when `grads.projection_dim: auto` keeps it (small
+  widths: the built-in models), a projected one with its exact re-rank for an integer `grads.projection_dim`, and
+  EK-FAC's factors are fitted over one.
+
+Nothing here holds a session: the model side at each state comes from `gradian.model_side`.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+import hashlib
+import json
 from pathlib import Path
-from typing import Optional, Sequence
 
-from ..grads.capture import GradientCapture
-from ..grads.layout import site_shapes
+from ..distributed import current
+from ..explain.clusters import SKETCH_DIM
 from ..projection import Projector
-from . import checkpoints as ck_
 from . import windows as win
-from .directions import BackProjected
-from .engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions, score_items
-from .one_pass import OnePass, score_one_pass
+from .directions import BackProjected, HarmDirections
+from .engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions
+from .indexed import score_index
+from .one_pass import DEFAULT_HELD_BYTES, opened, pass_turns, prepare, run_pass
 from .precondition import preconditioner_class
-from .scoring import Scores
+from .row_pass import STORE_SKETCH_DIM
+from .shortlist import score_shortlist
+from .states import AdapterStates, StateModels
+from .values import Scored
 
-WINDOW_ROWS = 32  # one pass: the long rows windowed are the top WINDOW_ROWS by their whole-row score
-WINDOW_ITEM_ROWS = 8  # ... and the top WINDOW_ITEM_ROWS of those by their best window get per-item windows
+STORE_VERSION = 1  # bump when what a per-row store holds changes: older stores become foreign
 
 
 @dataclass(frozen=True)
 class ScoreSource:
     """Where a run's scores come from, in the report's words."""
 
-    method: str  # "one_pass" | "exact_index" | "projected_index"
+    method: str  # "one_pass" | "stored_rows" | "exact_index" | "projected_index"
     states: tuple[str, ...]  # the adapter states' labels ("final", "checkpoint-12", ...)
     paths: tuple[str, ...]  # their adapter directories
     entry: Optional[dict] = None  # the report's query.checkpoints / query.optimizer entry, when several states
 
 
-@dataclass
-class Scored:
-    """A run's scores and what the later stages need from the scoring: the projector of `scores.w`'s space, the
-    adapter state spans are computed at, the rows clusters group on, the report's `index` entry. `index` is the
-    open index when one was used (closed by `close`)."""
+@dataclass(frozen=True)
+class StateRows:
+    """How one state's rows were read: the row source's name, the projector of the scores' space, the rows clusters
+    group on, the report's summary of the source, and the rows `train.not_converged` measures."""
 
-    scores: Scores
-    source: ScoreSource
+    method: str  # "one_pass" | "stored_rows" (a later question on a per-row store) | "exact_index" | "projected_index"
     projector: Projector
     features: object  # a RowSource or an [N, k] array for explain.clusters; None: clusters on text
-    rows_summary: dict
-    state_path: Optional[str] = None  # the adapter the spans are computed at (None: the session's own)
-    index: object = None
-    one_pass: Optional[OnePass] = None
-    timings: dict = field(default_factory=dict)
-
-    def close(self) -> None:
-        if self.index is not None:
-            self.index.close()
-            self.index = None
+    summary: dict  # the report's `index` entry (an index) or `scoring` entry (the one pass, the store)
+    agreement: Callable  # () -> the rows' gradient agreement (`checks.convergence.gradient_agreement`) or None
 
 
-def one_pass_applies(cfg, sites, n_rows: int, settings: ScoringSettings) -> bool:
-    """One pass, not an index: the preconditioner is fitted from rows (not EK-FAC's factors over an index), and the
-    exact index would not be stored (`grads.projection_dim` resolves to a projection)."""
-    from ..store.build import projection_choice
+@dataclass(frozen=True)
+class Ranking:
+    """What the ranking stage hands forward: the scores (`scored`), where they come from (`source`, `rows`), the
+    adapter state the spans are computed at, and the sentences the run reports about them.
 
-    if preconditioner_class(settings.preconditioner).parameter_space:  # EK-FAC: factors fitted over an index
-        return False
-    if cfg.grads.projection_dim != "auto":
-        return False
-    return projection_choice(cfg, sites, n_rows).dim is not None
+    `per_item` [Q, N]: each item's ranking scores (harm-signed unit-row cosine in the preconditioner's metric; a long
+    row's best window, a conversation's best exchange per item); `totals` [Q, N] the whole rows'; `features` what
+    clusters group rows on."""
+
+    scored: Scored
+    source: ScoreSource
+    rows: StateRows
+    state_path: Optional[str] = None  # None: the final adapter
+    flags: tuple = ()  # (id, level, message, fix) about the states
+    states_used: str = ""  # the `attribution.checkpoints_used` sentence
+
+    @property
+    def per_item(self):
+        return self.scored.scores.rank_item
+
+    @property
+    def totals(self):
+        return self.scored.scores.per_item
+
+    @property
+    def features(self):
+        return self.rows.features
+
+    @property
+    def projector(self) -> Projector:
+        return self.rows.projector
+
+    @property
+    def one_pass(self) -> bool:
+        """Scored without an index: the first pass over the rows, or a later question on its per-row store."""
+        return self.rows.method in ("one_pass", "stored_rows")
 
 
-def exact_capture(s) -> GradientCapture:
-    return GradientCapture(s.model, s.sites, Projector(site_shapes(s.sites)), chunk=s.cfg.grads.loss_chunk_tokens)
+def scores_for(models: StateModels, qitems, settings: ScoringSettings, states: AdapterStates,
+               flags: tuple = ()) -> Ranking:
+    """The per-item scores a run reports for these queries: the adapter states of `states`, each scored by
+    `score_state` with `settings`."""
+    got = states.score(models, lambda grads, st: score_state(grads, qitems, st), settings, qitems)
+    source = ScoreSource(got.rows.method, got.labels, got.paths, got.entry)
+    return Ranking(got.scored, source, got.rows, got.state_path, tuple(flags), states.used())
 
 
-def conversations(view, settings: ScoringSettings) -> Optional[list]:
+def rows_fit(settings: ScoringSettings) -> bool:
+    """The preconditioner is fitted on rows (every kind but EK-FAC, whose factors are fitted over an index)."""
+    return not preconditioner_class(settings.preconditioner).parameter_space
+
+
+def one_pass_applies(grads: ModelGradients, settings: ScoringSettings) -> bool:
+    """One pass, not an index: the preconditioner is fitted from rows, and the exact index would not be stored
+    (`grads.projection_dim: auto` resolves to a projection)."""
+    return rows_fit(settings) and grads.storage.auto and not grads.storage.exact_index
+
+
+def conversations(grads: ModelGradients, settings: ScoringSettings) -> Optional[list]:
     """Per row its tokens' exchanges when conversations are ranked by exchange (`attribution.per_turn` with unit
-    rows, a row-space preconditioner) and some row has two exchanges or more; else None."""
-    if not (settings.per_turn and settings.unit_rows) or preconditioner_class(settings.preconditioner).parameter_space:
+    rows, a preconditioner fitted on rows, `grads.projection_dim: auto`) and some row has two exchanges or more;
+    else None."""
+    if not (settings.per_turn and settings.unit_rows and grads.storage.auto and rows_fit(settings)):
         return None
-    turns = row_exchanges(view)
+    turns = row_exchanges(grads)
     return turns if any(t is not None for t in turns) else None
 
 
-def score_state(view, qitems, settings: ScoringSettings) -> Scored:
-    """The scores of the session view's active adapter alone. Conversations ranked by exchange take the one pass
-    even where the exact index would be stored (the index holds whole rows; with every row held the pass is the
-    exact index's maths, `one_pass`)."""
-    t0 = time.time()
-    turns = conversations(view, settings) if view.cfg.grads.projection_dim == "auto" else None
-    if turns is not None or one_pass_applies(view.cfg, view.sites, len(view.toks), settings):
-        cap = exact_capture(view)
-        grads = ModelGradients.from_session(view, cap)
-        sc, op = score_one_pass(grads, qitems, settings, turns=turns)
-        if settings.windows:
-            sc = bounded_windows(grads, sc)
-        view.log.timings["one_pass"] = round(view.log.timings.get("one_pass", 0.0) + time.time() - t0, 3)
-        return Scored(sc, ScoreSource("one_pass", ("final",), (view.adapter_path,)), cap.projector,
-                      op.cluster_features(len(view.toks)), op.describe(), one_pass=op)
-    from ..store.build import open_index
-
-    with view.log.stage("index"):
-        ix = open_index(view.cfg, view.model, view.sites, view.toks, view.adapter_path, view.pad_id)
-    sc = score_items(ModelGradients.from_session(view, ix.capture), ix.rows, qitems, settings,
-                     block_dims=block_dims_of(ix.index))
-    method = "exact_index" if ix.capture.projector.exact else "projected_index"
-    return Scored(sc, ScoreSource(method, ("final",), (view.adapter_path,)), ix.capture.projector, ix.rows,
-                  ix.info.summary(), index=ix)
-
-
-def row_exchanges(view) -> list:
+def row_exchanges(grads: ModelGradients) -> list:
     """Per row, its tokens' exchanges (`setup.alignment.token_exchanges`; None for a row scored whole)."""
     from ..setup.alignment import token_exchanges
 
-    return [token_exchanges(ex, tok, view.tokenizer) for ex, tok in zip(view.examples, view.toks)]
+    return [token_exchanges(ex, tok, grads.tokenizer) for ex, tok in zip(grads.examples, grads.toks)]
 
 
-def bounded_windows(grads: ModelGradients, sc: Scores) -> Scores:
-    """Best windows of long rows (`attribution.windows`) at a bounded cost, along exact directions: the top
-    `WINDOW_ROWS` long rows by whole-row score get their best window along the items' mean direction (one
-    forward-mode pass each; by linearity the mean of the per-item contributions), and the top `WINDOW_ITEM_ROWS` of
-    them per-item windows too. Every other long row keeps its whole-row score."""
-    # a conversation ranked by its best exchange has its windows already, the exchanges (renormalised)
-    long_rows = [p for p in win.long_rows(grads.toks) if p not in sc.turns]
-    sc = replace(sc, long_rows=long_rows)
-    if not long_rows:
-        return sc
+def score_state(grads: ModelGradients, qitems, settings: ScoringSettings) -> tuple[Scored, StateRows]:
+    """The scores of one adapter state (`grads`, exact capture) and how its rows were read. Conversations ranked by
+    exchange take the one pass even where the exact index would be stored (the index holds whole rows; with every
+    row held the pass is the exact index's maths, `one_pass`)."""
+    turns = conversations(grads, settings)
+    if turns is not None or one_pass_applies(grads, settings):
+        return _one_pass(grads, qitems, settings, turns)
+    ix = grads.storage.open_index()
+    try:
+        st = score_index(replace(grads, capture=ix.capture), ix.rows, qitems, settings,
+                         block_dims=block_dims_of(ix.index))
+    finally:
+        ix.close()
+    rows = ix.closed_rows()
+    method = "exact_index" if ix.capture.projector.exact else "projected_index"
+
+    def agreement():
+        from ..checks.convergence import gradient_agreement
+
+        return gradient_agreement(block for _, _, block in rows.chunks())
+
+    return st, StateRows(method, ix.capture.projector, rows, ix.info.summary(), agreement)
+
+
+def _one_pass(grads: ModelGradients, qitems, settings: ScoringSettings, turns) -> tuple[Scored, StateRows]:
+    """The first pass over the rows (resumed from its store where a killed one stopped; read back from it for
+    the same question), or, on a finished store and another question, its shortlist scored exactly."""
+    t0 = time.time()
+    turns = pass_turns(turns, settings)
+    root, key = store_of(grads, settings, turns)
+    with opened(root, key, {"rows": len(grads.toks)}) as store:
+        ps = prepare(grads, qitems, settings, store, turns)
+        if root is not None and store.sealed and store.question != ps.qkey and settings.store == "shortlist":
+            st, op, info = score_shortlist(grads, store, ps, settings, turns, settings.top_k)
+            method, summary = "stored_rows", {**op.describe(), **info.describe()}
+        else:
+            st, op = run_pass(grads, store, ps, settings, turns, root is not None)
+            method, summary = "one_pass", op.describe()
+            if root is not None:
+                summary.update(store=str(root), reused_rows=op.reused)
+    if settings.windows:
+        st = one_pass_windows(grads, st)
+    grads.timings["one_pass"] = round(grads.timings.get("one_pass", 0.0) + time.time() - t0, 3)
+    agree = op.agreement
+    return st, StateRows(method, grads.exact().projector, op.features, summary, lambda: agree)
+
+
+def store_of(grads: ModelGradients, settings: ScoringSettings, turns) -> tuple[Optional[Path], str]:
+    """Where the per-row store of this state and these settings is kept, and its key (None: none is kept: a
+    preconditioner that reads its rows at every use, `attribution.store: off`, several processes)."""
+    st = grads.storage
+    keep = (st is not None and st.locate is not None and settings.store != "off" and not current().active
+            and preconditioner_class(settings.preconditioner).storable)
+    where, state = st.locate() if keep else (None, "")
+    spec = {"v": STORE_VERSION, "state": state,
+            "preconditioner": settings.preconditioner, "damping": settings.damping, "unit_rows": settings.unit_rows,
+            "exchanges": turns is not None, "seed": settings.seed, "held_bytes": DEFAULT_HELD_BYTES,
+            "sketches": [SKETCH_DIM, STORE_SKETCH_DIM], "batch_size": grads.batch_size, "chunk": grads.chunk}
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
+    return (Path(where) / f"rows-{key}" if keep else None), key
+
+
+def one_pass_windows(grads: ModelGradients, st: Scored) -> Scored:
+    """Best windows of long rows at a bounded cost, along exact directions (`windows.TopLongRows`); a conversation
+    ranked by its best exchange has its windows already, the exchanges (renormalised)."""
     t0 = time.time()
     projector = grads.exact().projector
-    top = sorted(long_rows, key=lambda p: (-sc.rank_agg[p], p))[:WINDOW_ROWS]
-    top = sorted(top)  # row order: which rows share a forward batch does not depend on the scores
-    res = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w.mean(0, keepdims=True)), top))
-    sc = win.aggregate_windows(sc, top, res)
-    Q = sc.w.shape[0]
-    item_rows = sorted(sorted(top, key=lambda p: (-sc.rank_agg[p], p))[:WINDOW_ITEM_ROWS])
-    sc = replace(sc, window_item_rows=list(item_rows), window_items=len(item_rows) == len(long_rows))
-    if Q and item_rows:
-        res_i = scaled_contributions(sc, grads.contributions(BackProjected(projector, sc.w), item_rows))
-        sc = win.apply_item_windows(sc, item_rows, res_i, Q, aggregate=False)
-    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
-    return sc
+    basis = st.basis
 
+    def contributions(per_item: bool, rows):
+        d = HarmDirections(projector, basis) if per_item else BackProjected(projector, basis.w_mean())
+        return scaled_contributions(basis, grads.contributions(d, rows))
 
-def scoring_states(s) -> tuple[list[Path], list[str], bool]:
-    """(earlier adapter states, their labels, whether the final adapter is scored too). `earliest`: the earliest
-    saved checkpoint alone (the final adapter when none was saved)."""
-    cfg = s.cfg
-    if cfg.attribution.checkpoints == "earliest" and not cfg.attribution.checkpoint_adapters:
-        saved = ck_.without_final(ck_.saved_adapters(s.adapter_path), s.adapter_path)
-        return saved[:1], [p.name for p in saved[:1]], not saved
-    paths, labels = ck_.resolve(s)
-    return list(paths), list(labels), True
-
-
-@contextmanager
-def state_view(s, path: Optional[str], label: str):
-    """The session with adapter `path` active (None: the session itself)."""
-    if path is None:
-        yield s
-        return
-    with s.checkpoint(str(Path(path).resolve()), label) as view:
-        yield view
-
-
-def scores_for(s, qitems, direction: str, **overrides) -> Scored:
-    """The per-item scores a run reports for these queries, with the config's settings but `overrides` (e.g.
-    `preconditioner="identity"`)."""
-    settings = ScoringSettings.from_config(s.cfg, direction, **overrides)
-    if s.cfg.attribution.optimizer == "adamw" or not one_pass_or_exact(s, settings):
-        return _legacy(s, qitems, settings)
-    paths, labels, with_final = scoring_states(s)
-    if len(paths) + int(with_final) == 1:
-        path = None if with_final else str(paths[0])
-        with state_view(s, path, labels[0] if paths else "final") as view:
-            out = score_state(view, qitems, settings)
-        label = "final" if with_final else labels[0]
-        entry = None if with_final else _single_entry(s, paths[0], labels[0])
-        return replace(out, source=replace(out.source, states=(label,), paths=(path or s.adapter_path,),
-                                           entry=entry), state_path=path)
-    return _averaged(s, qitems, settings, paths, labels)
-
-
-def one_pass_or_exact(s, settings: ScoringSettings) -> bool:
-    """Whether every state is scored exactly (one pass or an exact index), the path `scores_for` takes."""
-    from ..store.build import projection_choice
-
-    return (one_pass_applies(s.cfg, s.sites, len(s.toks), settings)
-            or projection_choice(s.cfg, s.sites, len(s.toks)).dim is None)
-
-
-def _single_entry(s, path: Path, label: str) -> dict:
-    return {"count": 1, "adapters": [str(path)], "labels": [label], "source": "saved",
-            "setting": s.cfg.attribution.checkpoints, "weights": [1.0],
-            "weights_source": "attribution.checkpoints: earliest",
-            "rule": (f"every score, window, span and per-token contribution at the earliest saved checkpoint "
-                     f"({label}) alone: a row the fine-tune memorised by the end has a small gradient at the final "
-                     "adapter, whatever it taught; the final adapter is not scored")}
-
-
-def _averaged(s, qitems, settings: ScoringSettings, paths: Sequence[Path], labels: Sequence[str]) -> Scored:
-    """TracIn-CP over the earlier states and the final adapter (`checkpoints.averaged`), each state scored as
-    `score_state` scores it; the final adapter's directions serve the windows' token ranges and spans."""
-    t0 = time.time()
-    earlier = replace(settings, rerank=0, fidelity_sample=0)
-
-    def at_state(view) -> Scores:
-        st = score_state(view, qitems, earlier)
-        st.close()
-        return st.scores
-
-    parts = ck_.state_scores(s, paths, at_state)
-    final = score_state(s, qitems, settings)
-    sc, entry = ck_.averaged(s, final.scores, paths, labels, parts)
-    s.log.timings["checkpoints"] = round(time.time() - t0, 3)
-    return replace(final, scores=sc, source=ScoreSource(final.source.method, tuple(labels) + ("final",),
-                                                        tuple(str(p) for p in paths) + (s.adapter_path,), entry))
-
-
-def _legacy(s, qitems, settings: ScoringSettings) -> Scored:
-    """A projected index at the final adapter (EK-FAC, a fixed `grads.projection_dim`, the optimizer-aware scores):
-    its exact re-rank, then the optimizer's trajectory or the checkpoints' average as before."""
-    from .optimizer import over_trajectory
-
-    final = score_state(s, qitems, settings)
-    sc, entry = final.scores, None
-    if s.cfg.attribution.optimizer == "adamw":
-        sc, entry = over_trajectory(s, sc, qitems, settings)
-    if entry is None:
-        sc, entry = ck_.over_checkpoints(s, sc, qitems, settings)
-    labels = tuple(entry["labels"]) if entry and "labels" in entry else ("final",)
-    return replace(final, scores=sc, source=replace(final.source, states=labels, entry=entry))
-
-
-def spans_context(s, scored: Scored):
-    """The session view at the adapter state the scores came from (spans, fidelity's query norms)."""
-    return state_view(s, scored.state_path, "spans") if scored.state_path else nullcontext(s)
+    long_rows = [p for p in win.long_rows(grads.toks) if p not in st.exchanges]
+    st = win.best_windows(st, long_rows, win.TopLongRows(), contributions)
+    if long_rows:
+        grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+    return st

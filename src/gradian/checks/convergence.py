@@ -191,6 +191,12 @@ def _curve_share(recipe, adapter_path) -> tuple[Optional[float], list[float], st
 def flag_from_index(s, rows) -> Optional[float]:
     """The gradient measurement over an open index's rows, raised as a report flag on the session when it fails;
     only when the adapter has no recorded loss curve (the setup check judged the curve). Returns the ratio."""
+    return flag_from_agreement(s, lambda: gradient_agreement(block for _, _, block in rows.chunks()))
+
+
+def flag_from_agreement(s, measure) -> Optional[float]:
+    """`flag_from_index` from `measure()`: the rows' (ratio, n) (`gradient_agreement`), taken only when the adapter
+    has no recorded loss curve."""
     from ..training.recipe import read_recipe
 
     try:
@@ -199,7 +205,7 @@ def flag_from_index(s, rows) -> Optional[float]:
         recipe = None
     if _curve_share(recipe, s.adapter_path)[0] is not None:
         return None
-    res = gradient_agreement(block for _, _, block in rows.chunks())
+    res = measure()
     if res is None:
         return None
     ratio, n = res

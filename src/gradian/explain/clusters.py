@@ -92,6 +92,17 @@ class CountSketch:
         sign = rng.integers(0, 2, size=width).astype(np.float32) * 2 - 1
         return csr_matrix((sign, (np.arange(width), bucket)), shape=(width, self.k)).T.tocsr()
 
+    def hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, sign) of every coordinate, exactly as `apply` hashes them (one fused sparse product can then
+        apply several sketches at once: `attribution.row_pass.Reducer`)."""
+        buckets, signs = [], []
+        for b, a in enumerate(range(0, self.dim, self.block)):
+            rng = np.random.default_rng([self.seed, 0x636C75, b])
+            width = min(self.block, self.dim - a)
+            buckets.append(rng.integers(0, self.k, size=width))
+            signs.append(rng.integers(0, 2, size=width).astype(np.float32) * 2 - 1)
+        return np.concatenate(buckets), np.concatenate(signs)
+
     def apply(self, rows: np.ndarray) -> np.ndarray:
         out = np.zeros((rows.shape[0], self.k), dtype=np.float64)
         for b, a in enumerate(range(0, self.dim, self.block)):

@@ -21,18 +21,18 @@ def to_report(a: Attribution) -> dict:
     out, ranked, ex = a.outcome, a.ranked, a.explanation
     settings = json.loads(json.dumps(a.cfg.model_dump(mode="json")))
     settings.pop("root", None)
-    scored = ranked.scored
+    ranking = ranked.ranking
     report: dict = {"schema": SCHEMA, "flags": list(a.flags), "settings": settings,
                     "capability": capability_json(out.result, a.eval_items) if out.result else None,
                     "query": query_entry(a)}
     if ranked.index_summary is not None:
         report["index"] = dict(ranked.index_summary)
-        if scored is not None and scored.scores.fidelity is not None:
-            report["index"]["fidelity"] = scored.scores.fidelity
-    if scored is not None and scored.one_pass is not None:
-        report["scoring"] = dict(scored.rows_summary)
-    if scored is not None:
-        report["windows"] = windows_entry(scored)
+        if ranking is not None and ranking.scored.rerank.fidelity is not None:
+            report["index"]["fidelity"] = ranking.scored.rerank.fidelity
+    if ranking is not None and ranking.one_pass:
+        report["scoring"] = dict(ranking.rows.summary)
+    if ranking is not None:
+        report["windows"] = windows_entry(ranking)
     scores = ex.scores
     report.update({
         "verdict": a.verdict,
@@ -62,14 +62,14 @@ def to_report(a: Attribution) -> dict:
 def query_entry(a: Attribution) -> dict:
     """`query`: the formulation, direction, the scores' source (checkpoints or optimizer), the preconditioner and,
     per failing item, its query and its top rows."""
-    cfg, scored, q = a.cfg, a.ranked.scored, a.queries
+    cfg, ranking, q = a.cfg, a.ranked.ranking, a.queries
     entry: dict = {"formulation": str(q.formulation), "direction": a.outcome.direction, "items": []}
-    if scored is None:
+    if ranking is None:
         return entry
-    sc, ck = scored.scores, scored.source.entry
+    sc, ck, found = ranking.scored.scores, ranking.source.entry, ranking.scored.windows.found
     if ck is not None:
         entry["optimizer" if "optimizer" in ck else "checkpoints"] = ck
-    entry["preconditioner"] = sc.precond.describe()
+    entry["preconditioner"] = ranking.scored.basis.precond.describe()
     entry["combine"] = a.ranked.combine
     margins = a.explanation.margins or [{}] * len(q.items)
     for qi, text, row, rrow, m in zip(q.items, q.span_texts, sc.per_item, sc.rank_item, margins):
@@ -81,19 +81,19 @@ def query_entry(a: Attribution) -> dict:
             **({"query_span": text, "span_start": qi.span_start, "span": list(qi.span)} if qi.own_words else {}),
             **({"samples": [[t, w] for t, w in qi.samples]} if qi.samples else {}),
             "ranking": [{"position": int(p), "score": float(rrow[p]),
-                         **({"total": float(row[p])} if p in sc.windows else {})} for p in top[:10]],
+                         **({"total": float(row[p])} if p in found else {})} for p in top[:10]],
             **m,
         })
     return entry
 
 
-def windows_entry(scored) -> dict:
-    from ..attribution.stage import WINDOW_ITEM_ROWS, WINDOW_ROWS
+def windows_entry(ranking) -> dict:
+    from ..attribution.windows import WINDOW_ITEM_ROWS, WINDOW_ROWS
 
-    sc = scored.scores
-    if scored.one_pass is not None:
-        turns = (f"the {len(sc.turns)} conversations of several exchanges are ranked per item by their best exchange "
-                 "(each exchange's part of the row's gradient at unit norm); of the other rows with" if sc.turns else
+    w, ex = ranking.scored.windows, ranking.scored.exchanges
+    if w.bounded or ranking.one_pass:
+        turns = (f"the {len(ex)} conversations of several exchanges are ranked per item by their best exchange "
+                 "(each exchange's part of the row's gradient at unit norm); of the other rows with" if len(ex) else
                  "of the rows with")
         rule = (f"{turns} more than {WINDOW_TOKENS} supervised tokens, the {WINDOW_ROWS} with the highest "
                 f"whole-row score are ranked by their best window ({WINDOW_TOKENS} supervised tokens, stride "
@@ -103,8 +103,8 @@ def windows_entry(scored) -> dict:
         rule = (f"rows with more than {WINDOW_TOKENS} supervised tokens are ranked by their best window "
                 f"({WINDOW_TOKENS} supervised tokens, stride {WINDOW_STRIDE}); every other row by its total "
                 "score; scores.npy holds the ranking score, scores_total.npy the totals")
-    return {"tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(sc.long_rows),
-            "per_item_rows": len(sc.window_item_rows), "rule": rule}
+    return {"tokens": WINDOW_TOKENS, "stride": WINDOW_STRIDE, "long_rows": len(w.long_rows),
+            "per_item_rows": len(w.item_rows), "rule": rule}
 
 
 def totals_of(a: Attribution) -> Optional[np.ndarray]:

@@ -28,7 +28,7 @@ from .. import distributed as dist_
 from ..setup.batches import batches, length_order, owned_batches
 from ..setup.model import LoraSite
 from ..setup.tokenize import Tokenized
-from .index import GradientIndex
+from .index import SCORE_BLOCK_BYTES, GradientIndex
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,41 @@ class OpenIndex:
 
     def close(self) -> None:
         self.index.close()
+
+    def closed_rows(self):
+        """The training rows as a RowSource that opens the index read-only for each read: a value handed to later
+        stages (clusters' features) holds no open file or lock."""
+        from .rows import RowSource
+
+        ix = self.index
+        return RowSource(index=Reopening(ix.root, ix.key, ix.dim, ix.storage_dtype, ix.meta), row_keys=self.row_keys)
+
+
+@dataclass(frozen=True)
+class Reopening:
+    """A sealed index, opened read-only (a shared lock, no checksum pass) for each read and closed after it: what
+    `RowSource` reads from `GradientIndex` (`rows`, `score`, `score_block_rows`)."""
+
+    root: Path
+    key: str
+    dim: int
+    storage_dtype: str
+    meta: dict
+
+    def _open(self) -> GradientIndex:
+        return GradientIndex.open(self.root, key=self.key, dim=self.dim, storage_dtype=self.storage_dtype,
+                                  read_only=True, verify=False)
+
+    def rows(self, keys):
+        with self._open() as ix:
+            return ix.rows(keys)
+
+    def score(self, queries, keys, **kw):
+        with self._open() as ix:
+            return ix.score(queries, keys, **kw)
+
+    def score_block_rows(self, block_rows: int = 4096) -> int:
+        return min(block_rows, max(1, SCORE_BLOCK_BYTES // (4 * max(self.dim, 1))))
 
 
 def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tokenized], adapter_path: str,

@@ -92,3 +92,66 @@ class RowSource:
         if self.index is not None:
             return RowSource(index=self.index, row_keys=[self.row_keys[p] for p in pos])
         return RowSource(self.array[pos])
+
+
+class FileRows(RowSource):
+    """Rows of a raw float32 file ([rows, dim], row-major), read chunk by chunk (`os.pread`: nothing is mapped, so
+    nothing read stays in the process's memory): the one pass's held rows, which are the size of its budget and
+    must not be held in memory. `slots` picks and orders rows of the file (default: all, in file order).
+
+    Chunks and statistics are exactly those of a `RowSource` over the same rows in memory (the same chunk bounds),
+    so a preconditioner fitted on either has the same bits; `inner` multiplies float32 blocks of at most
+    `inner_bytes` (one block, the plain matmul, when the rows fit)."""
+
+    def __init__(self, path, dim: int, slots: Optional[Sequence[int]] = None, *, n_file: Optional[int] = None,
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES, inner_bytes: int = DEFAULT_MEMORY_BYTES):
+        import os
+
+        self.path = str(path)
+        self.array, self.index, self.row_keys = None, None, None
+        self.dim = int(dim)
+        if n_file is None:
+            n_file = os.path.getsize(self.path) // max(4 * self.dim, 1)
+        self.slots = list(range(n_file)) if slots is None else [int(s) for s in slots]
+        self.n = len(self.slots)
+        self.chunk_rows = max(1, int(memory_bytes // max(8 * self.dim, 1)))
+        self.inner_rows = max(1, int(inner_bytes // max(4 * self.dim, 1)))
+        self.reads = 0
+
+    def read32(self, a: int, b: int) -> np.ndarray:
+        """float32 rows a..b (in `slots` order)."""
+        import os
+
+        out = np.empty((b - a, self.dim), dtype=np.float32)
+        row_bytes = 4 * self.dim
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            j = a
+            while j < b:  # runs of consecutive slots are one read
+                k = j + 1
+                while k < b and self.slots[k] == self.slots[k - 1] + 1:
+                    k += 1
+                buf = os.pread(fd, row_bytes * (k - j), self.slots[j] * row_bytes)
+                if len(buf) != row_bytes * (k - j):
+                    raise OSError(f"{self.path}: short read (rows {self.slots[j]}..{self.slots[k - 1]})")
+                out[j - a : k - a] = np.frombuffer(buf, dtype="<f4").reshape(k - j, self.dim)
+                j = k
+        finally:
+            os.close(fd)
+        return out
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        self.reads += 1
+        return self.read32(a, b).astype(np.float64)
+
+    def inner(self, dirs: np.ndarray) -> np.ndarray:
+        d = np.asarray(dirs, dtype=np.float32)
+        out = np.empty((d.shape[0], self.n), dtype=np.float32)
+        for a in range(0, self.n, self.inner_rows):
+            b = min(self.n, a + self.inner_rows)
+            out[:, a:b] = d @ self.read32(a, b).T
+        return out
+
+    def subset(self, positions: Sequence[int]) -> "FileRows":
+        return FileRows(self.path, self.dim, [self.slots[int(p)] for p in positions], n_file=0,
+                        memory_bytes=self.chunk_rows * 8 * self.dim, inner_bytes=self.inner_rows * 4 * self.dim)

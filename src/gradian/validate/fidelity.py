@@ -18,7 +18,7 @@ sign and scale is ``a_q = s * (L_q(reference) - L_q(retrain)) / |grad L_q|``: po
 the failure's loss (they were harmful), with ``s = -1`` when the report attributes an improvement (its scores rank the
 rows that helped). A row's LOO actual change is the mean of ``a_q`` over the items, like its score.
 
-Preconditioners: scores are recomputed with `attribution.engine.score_items` (the per-item inner products, without the
+Preconditioners: scores are recomputed with `attribution.stage.scores_for` (the per-item inner products, without the
 best-window ranking of long rows) for ``attribution.preconditioner`` or each one given with ``--preconditioner``;
 the retrains do not depend on it, so several are compared on the same retrains. (With a preconditioner, items are
 still weighted by 1 / |grad L_q| in the LOO mean; LDS is per item, so no weighting enters it.)
@@ -85,15 +85,13 @@ def query_losses(model, s, qitems) -> np.ndarray:
 def scores_with(s, qitems, direction: str, **overrides) -> np.ndarray:
     """Per-item scores [Q, N] exactly as `attribute` computes them (`attribution.stage.scores_for`: the same
     adapter states, row source and windows), with the config's settings but `overrides` (another preconditioner)."""
-    return np.asarray(_scored(s, qitems, direction, **overrides).scores.per_item, dtype=np.float64)
+    return np.asarray(_ranking(s, qitems, direction, **overrides).totals, dtype=np.float64)
 
 
-def _scored(s, qitems, direction: str, **overrides):
-    from ..attribution.stage import scores_for
+def _ranking(s, qitems, direction: str, **overrides):
+    from ..pipeline import score_stage
 
-    scored = scores_for(s, qitems, direction, **overrides)
-    scored.close()
-    return scored
+    return score_stage(s, qitems, direction, **overrides)
 
 
 def loo_rows(agg: np.ndarray, k: int, seed: int) -> list[tuple[int, str]]:
@@ -236,23 +234,21 @@ def checked_preconditioners(cfg: Config, preconditioners: Optional[list[str]]) -
 def predictions(s, qitems: list[QueryItem], direction: str, precs: list[str]) -> Predictions:
     """Step 1: the scores of every method on the session's index, the query gradients' norms and the query losses
     under the user's adapter; the session's model is freed after (each retrain is loaded on its own)."""
-    from ..attribution.engine import ModelGradients
-    from ..attribution.stage import exact_capture, spans_context
+    from ..model_side import gradients_of, optimizer_scores
+    from ..pipeline import state_view
 
     cfg = s.cfg
-    scored = {p: _scored(s, qitems, direction, preconditioner=p) for p in precs}
-    per_item = {p: np.asarray(v.scores.per_item, dtype=np.float64) for p, v in scored.items()}
+    ranked = {p: _ranking(s, qitems, direction, preconditioner=p) for p in precs}
+    per_item = {p: np.asarray(v.totals, dtype=np.float64) for p, v in ranked.items()}
     if cfg.attribution.optimizer != "adamw":
         # the optimizer-aware scores beside the preconditioners', when the adapter's trajectory was recorded
-        from ..attribution.optimizer import optimizer_scores
-
-        P, _, _ = optimizer_scores(s, qitems, direction)
+        P = optimizer_scores(s, qitems, direction)
         if P is not None:
             per_item[OPTIMIZER_METHOD] = P
     # the query gradients at the adapter state the primary scores came from (the earliest checkpoint by default):
     # the unit queries the scores were taken against are these over their norms
-    with spans_context(s, scored[precs[0]]) as view:
-        qv = ModelGradients.from_session(view, exact_capture(view)).query_vectors(qitems, exact=True)
+    with state_view(s, ranked[precs[0]].state_path) as view:
+        qv = gradients_of(view).query_vectors(qitems, exact=True)
     qnorm = np.maximum(np.linalg.norm(qv.astype(np.float64), axis=1), 1e-30)
     user_losses = query_losses(s.model, s, qitems)
     s.model = None  # free it: each retrain is loaded on its own

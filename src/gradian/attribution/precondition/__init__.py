@@ -45,7 +45,7 @@ from .ekfac import EkfacPreconditioner
 from .fisher import FisherPreconditioner
 from .identity import IdentityPreconditioner
 from .maths import datainf_inverse, diagonal_inverse, fisher_inverse_dense, fisher_inverse_woodbury, mean_eigenvalue
-from .rows import DEFAULT_MEMORY_BYTES, RowPreconditioner, precondition
+from .rows import DEFAULT_MEMORY_BYTES, RowPreconditioner, precondition, restore
 
 _ROW_KINDS = (IdentityPreconditioner, DiagonalPreconditioner, FisherPreconditioner, DataInfPreconditioner)
 KINDS = tuple(c.kind.value for c in _ROW_KINDS)  # fitted on the index rows; EK-FAC (`ekfac`) on the model
@@ -58,4 +58,5 @@ DEFAULT_SCOPE = {c.kind.value: c.default_scope for c in _ROW_KINDS}
 __all__ = ["DEFAULT_DAMPING", "DEFAULT_KIND", "DEFAULT_MEMORY_BYTES", "DEFAULT_SCOPE", "DataInfPreconditioner",
            "DiagonalPreconditioner", "EkfacPreconditioner", "FisherPreconditioner", "IdentityPreconditioner", "KINDS",
            "Preconditioner", "RowPreconditioner", "datainf_inverse", "diagonal_inverse", "fisher_inverse_dense",
-           "fisher_inverse_woodbury", "make_preconditioner", "mean_eigenvalue", "precondition", "preconditioner_class"]
+           "fisher_inverse_woodbury", "make_preconditioner", "mean_eigenvalue", "precondition", "preconditioner_class",
+           "restore"]

@@ -30,6 +30,9 @@ class Preconditioner(metaclass=BuildsItsKind):
     # Fitted from the model and applied to exact (parameter-space) query gradients, which are then projected into
     # the index's space (EK-FAC); otherwise fitted on the index rows and applied to index-space queries.
     parameter_space: ClassVar[bool] = False
+    # What it applies is its `state()` alone (the diagonal, the identity), so a per-row store can keep it; the
+    # others read their rows at every `apply` (Fisher's Woodbury kernel, DataInf) or an index's factors (EK-FAC).
+    storable: ClassVar[bool] = False
 
     damping: Optional[float]
 

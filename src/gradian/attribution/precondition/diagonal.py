@@ -15,6 +15,7 @@ from .rows import RowPreconditioner
 class DiagonalPreconditioner(RowPreconditioner, kind=PreconditionerKind.diagonal):
     default_damping = 0.1
     default_scope = "global"
+    storable = True
 
     def apply(self, Q: np.ndarray) -> np.ndarray:
         Q = self._fitted_query(Q)

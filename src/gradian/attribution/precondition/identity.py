@@ -13,6 +13,7 @@ class IdentityPreconditioner(RowPreconditioner, kind=PreconditionerKind.identity
     default_damping = 0.0
     default_scope = "global"
     is_identity = True
+    storable = True
 
     def _fit_damping(self, source: RowSource) -> None:
         self.lambdas = np.ones(len(self.block_dims))  # nothing read from the rows

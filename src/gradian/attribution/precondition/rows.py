@@ -101,6 +101,27 @@ class RowPreconditioner(Preconditioner):
         """Entries of `describe` beyond kind and damping, before the lambda range (none by default)."""
         return {}
 
+    def state(self) -> dict:
+        """What `restore` needs to rebuild this fitted preconditioner (arrays; a storable kind's whole state)."""
+        none = np.zeros(0)
+        return {"kind": np.array(self.kind.value), "damping": np.array(float(self.damping)),
+                "scope": np.array(self.scope), "block_dims": np.asarray(self.block_dims, dtype=np.int64),
+                "n": np.array(int(self.n)), "memory_bytes": np.array(int(self.memory_bytes)),
+                "second_moment": none if self.second_moment is None else self.second_moment,
+                "lambdas": none if self.lambdas is None else self.lambdas}
+
+
+def restore(state: dict) -> RowPreconditioner:
+    """The fitted preconditioner `RowPreconditioner.state` describes (a storable kind: the diagonal, the identity)."""
+    p = make_preconditioner(str(state["kind"]), float(state["damping"]), [int(x) for x in state["block_dims"]],
+                            memory_bytes=int(state["memory_bytes"]), scope=str(state["scope"]))
+    if not p.storable:
+        raise ValueError(f"a {p.kind.value} preconditioner cannot be restored from its state")
+    p.n = int(state["n"])
+    p.second_moment = np.asarray(state["second_moment"], dtype=np.float64) if state["second_moment"].size else None
+    p.lambdas = np.asarray(state["lambdas"], dtype=np.float64) if state["lambdas"].size else None
+    return p
+
 
 def precondition(Q: np.ndarray, G: np.ndarray, kind: str, *, damping: Optional[float] = None,
                  block_dims: Optional[Sequence[int]] = None) -> np.ndarray:
