@@ -11,7 +11,10 @@ RUN/combine/rank_item.npy with the failing items and their answers in RUN/combin
   were planted, the share planted (**precision**), and the share of the **moved** planted rows it holds (recall);
 * the rule before issue 42 (rows whose mean score is more than 6 robust SD above the median of all rows, members
   taken from the top of the max-z ranking) on the same scores;
-* the drop: its ratio and its p (`widest_drop`).
+* the drop: its ratio and its p (`widest_drop`);
+* the AUPRC of the moved planted rows under the max-z ranking over every failing item, and over the failing items
+  a planted row moved (where the other failing items have causes of their own, e.g. a garbled answer whose form
+  true rows of the task taught, the first mixes their rows in).
 
 A planted row **moved** an item when it is mapped to a failing item by truth.json's `item_planted` and, where
 truth.json names the planted wrong value (`planted_facts[].wrong`) and the failing answers are known, that answer
@@ -32,11 +35,31 @@ import numpy as np  # noqa: E402
 from combine_items import rank_item  # noqa: E402  (sets the threads and the import path)
 
 
+def planted_values(truth: dict) -> dict[int, str]:
+    """Each planted row's wrong value, where it is one fact's value (a format row, `eval_indices: []`, teaches a
+    form, not a value an answer would hold)."""
+    return {f["position"]: f["wrong"] for f in truth.get("planted_facts", [])
+            if f.get("wrong") and f.get("eval_indices", [None]) != []}
+
+
+def moved_items(truth: dict, meta: dict) -> list[int]:
+    """Indices (into the failing items) of the items some planted row moved (`moved_rows`' condition)."""
+    items = meta.get("item_ids") or []
+    answers = meta.get("generated") or [None] * len(items)
+    wrong = planted_values(truth)
+    out = []
+    for k, (item, a) in enumerate(zip(items, answers)):
+        rows = truth.get("item_planted", {}).get(str(item), [])
+        if any(wrong.get(p) is None or a is None or wrong[p].lower() in a.lower() for p in rows):
+            out.append(k)
+    return out
+
+
 def moved_rows(truth: dict, meta: dict) -> list[int]:
     """The planted rows that moved a failing item (module docstring)."""
     items = meta.get("item_ids") or []
     answers = dict(zip(items, meta.get("generated") or [None] * len(items)))
-    wrong = {f["position"]: f.get("wrong") for f in truth.get("planted_facts", [])}
+    wrong = planted_values(truth)
     out = set()
     for item in items:
         for p in truth.get("item_planted", {}).get(str(item), []):
@@ -59,6 +82,7 @@ def old_rule(per: np.ndarray, limit: int = 50) -> list[int]:
 
 def measure(run: Path) -> dict:
     from gradian.attribution.accused import accuse
+    from gradian.attribution.scoring import auprc, item_z
 
     per, _ = rank_item(run)
     per = per.astype(np.float64)
@@ -67,6 +91,13 @@ def measure(run: Path) -> dict:
     planted, moved = set(truth["planted"]), moved_rows(truth, meta)
     acc = accuse(per, meta.get("item_ids") or list(range(per.shape[0])), limit=50)
     out = {"rows": int(per.shape[1]), "items": int(per.shape[0]), "planted": len(planted), "moved": len(moved)}
+    # the ranking (max item z, the default for own-words queries) over every failing item, and over the items a
+    # planted row moved: other failing items may have other causes (a garbled answer taught its form by true rows)
+    z = item_z(per)
+    mi = moved_items(truth, meta) if truth.get("item_planted") else list(range(per.shape[0]))
+    out["auprc_moved"] = auprc(z.max(0), moved) if moved else None
+    out["auprc_moved_items"] = auprc(z[mi].max(0), moved) if moved and mi else None
+    out["moved_items"] = len(mi)
     for name, pos in (("shipped", acc.positions), ("before", old_rule(per))):
         hit = len(set(pos) & planted)
         out[name] = {"accused": len(pos), "planted": hit, "precision": hit / len(pos) if pos else None,
@@ -97,18 +128,18 @@ def main() -> None:
         except SystemExit as e:  # a declined run: nothing ranked, nobody accused
             res[run.resolve().name] = {"declined": str(e)}
     print("| run | rows | planted (moved) | accused: planted/total | precision | moved recall | drop (p) "
-          "| before: planted/total | before: moved recall |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| before: planted/total | before: moved recall | AUPRC moved: all items / items moved (n) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         if "declined" in r:
-            print(f"| {name} | | | declined: 0 accused | | | | | |")
+            print(f"| {name} | | | declined: 0 accused | | | | | | |")
             continue
         s, b, d = r["shipped"], r["before"], r["drop"]
         drop = "none" if d is None else f"{d['ratio']:.2f} ({d['p']:.1e})"
         print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | {s['planted']}/{s['accused']} | "
               f"{fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
               f"{drop} | {b['planted']}/{b['accused']} | "
-              f"{fmt(b['moved_recall'])} |")
+              f"{fmt(b['moved_recall'])} | {fmt(r['auprc_moved'])} / {fmt(r['auprc_moved_items'])} ({r['moved_items']}) |")
     print(json.dumps({"bench": "accused_rule", "results": res}))
 
 
