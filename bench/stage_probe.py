@@ -37,7 +37,7 @@ STAGES = [
     ("rerank", "gradian.attribution.engine.ModelGradients", "exact_inner"),
     ("behaviour samples", "gradian.pipeline", "behaviour_queries"),
     ("decisive tokens", "gradian.pipeline", "decisive_starts"),
-    ("one pass", "gradian.attribution.stage", "score_one_pass"),
+    ("one pass", "gradian.attribution.stage", "_one_pass"),
     ("checkpoints", "gradian.attribution.states.TracInAverage", "score"),
     ("base_scores", "gradian.pipeline", "rank_rows"),
     ("spans", "gradian.pipeline", "spans_stage"),
