@@ -138,6 +138,7 @@ class Accusation:
             out["threshold"] = round(self.threshold, 4)
         if self.drop is not None and np.isfinite(self.drop.ratio):
             out["drop"] = round(self.drop.ratio, 4)
+            out["drop_p"] = float(f"{self.drop.p:.3g}")
         return out
 
 

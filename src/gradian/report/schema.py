@@ -305,6 +305,9 @@ class Accused(_Model):
     rule: str = Field(description="The rule in plain words, or why nobody is accused.")
     threshold: float = _absent("What a row's statistic had to exceed (absent when nobody is accused).")
     drop: float = _absent("The ratio of the drop below the accused rows (absent when nobody is accused).")
+    drop_p: float = _absent("How likely a drop that wide is among rows that caused nothing, corrected for the rows it "
+                            "was chosen from: the accused are named only when it is below 0.01 (absent when nobody "
+                            "is accused).")
     evidence: list[AccusedEvidence] = _absent("Per accused row, in `positions` order: the items it explains, its "
                                               "statistic, the threshold.")
 
