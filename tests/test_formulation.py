@@ -28,6 +28,19 @@ def test_every_formulation_has_its_class_and_keeps_its_report_name():
     assert [f for f in Formulation if f.kind.sampled] == [Formulation.behaviour]
 
 
+def test_the_report_schema_spells_the_one_vocabulary():
+    """report.json's per-item formulation is any Formulation's name, its run-level one any the setting can ask for:
+    a formulation added or renamed without the schema fails here, not in a reader."""
+    from typing import get_args
+
+    from gradian.report.schema import Query, QueryEntry
+
+    assert set(get_args(QueryEntry.model_fields["formulation"].annotation)) == set(map(str, Formulation))
+    metrics = (as_metric("exact_match"), SimpleNamespace(generative=True, defines_class=True))
+    can_ask = {str(asked(s, m)) for s in QueryFormulation for m in metrics}
+    assert set(get_args(Query.model_fields["formulation"].annotation)) == can_ask
+
+
 def test_the_setting_maps_onto_the_formulation_of_its_name():
     exact, loglik = as_metric("exact_match"), as_metric("loglik")
     regex = SimpleNamespace(generative=True, defines_class=True)  # what a regex metric says of itself
