@@ -104,7 +104,8 @@ def logit_queries(view, rows, starts) -> np.ndarray:
 
 def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
     from gradian.attribution.decisive import answer_rows, decision_positions, decisive_starts, with_starts
-    from gradian.attribution.queries import own_words_row, query_items, select_failing
+    from gradian.attribution.formulation import own_words_row
+    from gradian.attribution.queries import query_items, select_failing
     from gradian.capability.evaluate import _stop_ids, answer_text
     from gradian.config import load_config
     from gradian.grads.capture import GradientCapture
@@ -167,7 +168,7 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
     qrows, qkind = [], []
     for j, q in enumerate(qitems):
         it = by[q.item]
-        if q.formulation == "own_words":
+        if q.own_words:
             t, _ = own_words_row(s.tokenizer, it, q, **kw)
             qrows.append(t)
             qkind.append(["decisive", j])
@@ -230,7 +231,7 @@ def extract(run: Path, state: str, n_samples: int, ks: list[int]) -> None:
         del Q
         decisive_rows = [r for r, (kind, _) in zip(qrows, qkind) if kind == "decisive"]
         np.save(out / "logits.npy", logit_queries(view, decisive_rows,
-                                                  [q.span_start for q in qitems if q.formulation == "own_words"]))
+                                                  [q.span_start for q in qitems if q.own_words]))
         t0 = time.process_time()
         S = grads_of(view, srows, np.float16)
         np.save(out / "samples.npy", S)

@@ -171,7 +171,8 @@ def baselines(run: Path) -> dict:
 def reference(run: Path) -> dict:
     """The report's own-words queries against exact per-row LoRA gradients (one example per backward, plain
     autograd, no hooks or projection), unit rows in the diagonal metric, at the adapter states the report used."""
-    from gradian.attribution.queries import QueryItem, own_words_row
+    from gradian.attribution.formulation import own_words_row
+    from gradian.attribution.queries import new_query
     from gradian.attribution.scoring import auprc, recall_at_k
 
     got = _attributed(run)
@@ -181,10 +182,10 @@ def reference(run: Path) -> dict:
     by = {it.position: it for it in s.eval_items}
     qrows = []
     for it in rep["query"]["items"]:
-        q = QueryItem(it["item"], it["prompt"], it["expected"], it["generated"], it["base_generated"],
+        q = new_query(it["item"], it["prompt"], it["expected"], it["generated"], it["base_generated"],
                       it.get("formulation", "own_words"), it.get("target", ""), it.get("contrast", ""),
                       it.get("target_source", "expected"), it.get("span_start", -1), tuple(it.get("span") or ()))
-        if q.formulation != "own_words":
+        if not q.own_words:
             continue
         qrows.append(own_words_row(s.tokenizer, by[q.item], q, chat=s.chat, max_len=s.cfg.grads.max_seq_length))
     ckd = rep["query"].get("checkpoints") or {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradian.attribution.behaviour import Sample, behaviour_weights, sample_answers, with_samples
-from gradian.attribution.queries import QueryItem, query_losses, query_vectors
+from gradian.attribution.queries import new_query, query_losses, query_vectors
 from gradian.capability.metrics import Metric
 from gradian.grads.capture import GradientCapture
 from gradian.grads.layout import site_shapes
@@ -49,11 +49,11 @@ def test_weights_are_the_mean_over_the_fine_tunes_side():
     w = dict(behaviour_weights(ss, "regression"))
     assert w == {"no": -0.5, "nope": -0.5}  # L_q = mean log-lik of the failing answers (empty ones dropped)
     assert dict(behaviour_weights(ss, "improvement")) == {"yes": 1.0}  # minus that of the passing ones
-    q = QueryItem(0, "p", "x", "g", "b", "own_words")
+    q = new_query(0, "p", "x", "g", "b", "own_words")
     greedy, = with_samples([q], [(Sample("yes", "tuned", True),)], "regression")
     # no failing answer among the samples: the fine-tune's greedy (failing) answer alone is the class
     assert greedy.formulation == "behaviour" and greedy.samples == (("g", -1.0),)
-    empty = QueryItem(0, "p", "x", " ", "b", "own_words")
+    empty = new_query(0, "p", "x", " ", "b", "own_words")
     kept, = with_samples([empty], [(Sample("yes", "tuned", True),)], "regression")
     assert kept is empty  # and with no greedy answer either, the own-words query stays
     imp, = with_samples([q], [(Sample("yes", "tuned", True),)], "improvement")
@@ -63,7 +63,7 @@ def test_weights_are_the_mean_over_the_fine_tunes_side():
 def test_samples_are_seeded_and_labelled_by_the_metric(tiny):
     model, tok = tiny
     items = _items()
-    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    qs = [new_query(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)  # "fails" when two vowels follow each other
     kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False, temperature=1.0)
     a = sample_answers(model, tok, items, qs, metric, **kw)
@@ -94,7 +94,7 @@ def test_items_sampled_together_draw_what_each_items_own_generate_draws(tiny, mo
     model, tok = tiny
     items = [EvalItem(f"eval-{i}", i, "x", messages=[{"role": "user", "content": q}]) for i, q in
              enumerate(["Where does Rodrol live?", "What does Tato keep in his small house by the sea?", "Why?"])]
-    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    qs = [new_query(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)
     n, temp, seed = 4, 1.0, 3
     kw = dict(chat=True, n=n, max_new_tokens=6, seed=seed, one_line=False, temperature=temp)
@@ -127,7 +127,7 @@ def test_the_temperature_reaches_the_sampler_and_the_settings_reach_the_query(ti
 
     model, tok = tiny
     items = _items()
-    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    qs = [new_query(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     metric = Metric("regex", pattern=r"[aeiou]{2}", negate=True)
     kw = dict(chat=True, n=4, max_new_tokens=6, seed=3, one_line=False)
     hot = sample_answers(model, tok, items, qs, metric, **kw, temperature=1.0)
@@ -161,7 +161,7 @@ def test_behaviour_query_gradient_equals_one_backward_per_answer(tiny):
                (Sample("A crow.", "tuned", False), Sample("Tato keeps a small black crow.", "tuned", False),
                 Sample("A crow.", "tuned", False),  # a repeated answer: one row of twice the weight
                 Sample("A dog.", "base", True), Sample("Nothing at all.", "base", True))]
-    qs = [QueryItem(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
+    qs = [new_query(it.position, it.question_text(), "x", "", "", "own_words") for it in items]
     qs = with_samples(qs, samples, "regression")
     assert [q.formulation for q in qs] == ["behaviour", "behaviour"]
     from gradian.attribution.queries import query_rows

@@ -103,11 +103,11 @@ def test_attribute_reports_the_mean_over_checkpoints(two_epoch_run, tmp_path):
 
     # the same scores by hand: each adapter scored alone (checkpoints=1), then averaged
     qitems = [it for it in rep["query"]["items"]]
-    from gradian.attribution.queries import QueryItem
+    from gradian.attribution.queries import new_query
     from gradian.pipeline import index_stage, score_adapter
     from gradian.setup.session import open_session
 
-    q = [QueryItem(int(i["item"]), i["prompt"], i["expected"], i["generated"], i.get("base_generated", ""),
+    q = [new_query(int(i["item"]), i["prompt"], i["expected"], i["generated"], i.get("base_generated", ""),
                    i["formulation"], target=i.get("target", ""), contrast=i.get("contrast", ""),
                    target_source=i.get("target_source", "expected"), span_start=i.get("span_start", -1),
                    span=tuple(i.get("span", ()))) for i in qitems]

@@ -102,12 +102,12 @@ def test_decisive_token_is_the_first_prefix_the_base_cannot_recover_from(monkeyp
     continuing any prefix that does not yet hold "Krakow", ends with "Warsaw"; the decisive token is " Krakow",
     found by bisection, not the departure " The"."""
     from gradian.attribution import decisive
-    from gradian.attribution.queries import QueryItem
+    from gradian.attribution.queries import new_query
     from helpers_models import build_tokenizer
 
     tok = build_tokenizer(chat_template=False)
     it = item("Warsaw", prompt="Question: capital of Poland?\nAnswer:")
-    q = QueryItem(0, it.prompt, "Warsaw", "The capital of Poland is Krakow.", "Warsaw", "own_words",
+    q = new_query(0, it.prompt, "Warsaw", "The capital of Poland is Krakow.", "Warsaw", "own_words",
                   " Warsaw", " The capital of Poland is Krakow.", "base")
     calls = []
 

@@ -41,9 +41,12 @@ VARIANTS = {
                        ("gradian.config", "gradian.attribution.precondition")),
     "metric": ({"exact_match", "contains", "loglik", "regex"}, ("gradian.config", "gradian.capability.metrics")),
     "query formulation": ({"contrastive", "classic", "own_words", "margin", "behaviour"},
-                          ("gradian.config", "gradian.attribution.queries")),
+                          ("gradian.attribution.formulation",)),
     "verdict": ({"attributed", "declined", "smoke_test"}, ("gradian.verdict",)),
 }
+# enums whose members name a variant: comparing a value with a member (`f is Formulation.margin`) chooses the
+# variant by its name as surely as comparing the string does
+VARIANT_ENUMS = {"Formulation": "query formulation", "QueryFormulation": "query formulation"}
 PROBES = {"importorskip", "import_module", "find_spec"}
 
 @dataclass(frozen=True)
@@ -269,17 +272,30 @@ def _compared_names(node: ast.Compare) -> set[str]:
     return out
 
 
+def _compared_members(node: ast.Compare) -> dict[str, set[str]]:
+    """Variant -> the members of its enum (`VARIANT_ENUMS`) a comparison tests a value against, on either side of
+    ==, !=, is, is not, in and not in."""
+    out: dict[str, set[str]] = {}
+    for operand in [node.left, *node.comparators]:
+        elts = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        for e in elts:
+            if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id in VARIANT_ENUMS:
+                out.setdefault(VARIANT_ENUMS[e.value.id], set()).add(f"{e.value.id}.{e.attr}")
+    return out
+
+
 def variant_compare_violations(src: Path = SRC, package: str = "gradian") -> list[Violation]:
-    """`x == "identity"`, `x != "loglik"`, `f in ("contrastive", ...)`: a variant chosen by its name."""
+    """`x == "identity"`, `x != "loglik"`, `f in ("contrastive", ...)`, `f is Formulation.margin`: a variant chosen
+    by its name."""
     out = []
     for mod, f in modules(src, package).items():
         for node in ast.walk(_parse(f)):
             if isinstance(node, ast.Compare):
-                found = _compared_names(node)
+                found, members = _compared_names(node), _compared_members(node)
             else:
                 continue
             for what, (names, homes) in VARIANTS.items():
-                hit = sorted(found & names)
+                hit = sorted(found & names) + sorted(members.get(what, ()))
                 if hit and not any(mod == h or mod.startswith(h + ".") for h in homes):
                     out.append(Violation(f, node.lineno, f"compares the {what} name(s) {', '.join(map(repr, hit))}: "
                                                          "ask the object (a property of its class) instead"))
@@ -447,6 +463,7 @@ def test_the_other_scans_see_what_they_guard(tmp_path):
         "gradian/__init__.py": "",
         "gradian/config.py": 'def ok(kind):\n    return kind == "identity"\n',  # where the strings enter
         "gradian/capability/metrics/base.py": 'def ok(name):\n    return name in ("exact_match", "contains")\n',
+        "gradian/attribution/formulation.py": 'def ok(s, f):\n    return s is QueryFormulation.auto or f == "margin"\n',
         "gradian/caller.py": textwrap.dedent("""
             def choose(kind, metric, q, mode):
                 if kind == "identity": pass
@@ -457,6 +474,7 @@ def test_the_other_scans_see_what_they_guard(tmp_path):
                 if mode == "supervised": pass
                 if report.verdict != "attributed": pass
                 if report.verdict is Verdict.attributed: pass
+                if q.formulation is Formulation.margin or setting in (QueryFormulation.auto,): pass
             """),
         "gradian/long.py": "def long():\n" + long_body + "\n" * (MAX_MODULE_LINES - MAX_FUNCTION_LINES),
         "gradian/short.py": "def short():\n" + long_body[: -len(f"    x{MAX_FUNCTION_LINES - 1} = 79\n")],
@@ -466,7 +484,9 @@ def test_the_other_scans_see_what_they_guard(tmp_path):
     assert got == [("caller.py", 3, "compares the preconditioner name(s) 'identity'"),
                    ("caller.py", 4, "compares the metric name(s) 'contains', 'exact_match'"),
                    ("caller.py", 5, "compares the query formulation name(s) 'own_words'"),
-                   ("caller.py", 9, "compares the verdict name(s) 'attributed'")], got
+                   ("caller.py", 9, "compares the verdict name(s) 'attributed'"),
+                   ("caller.py", 11, "compares the query formulation name(s) 'Formulation.margin'"),
+                   ("caller.py", 11, "compares the query formulation name(s) 'QueryFormulation.auto'")], got
     assert [(v.path.name, v.what) for v in function_size_violations(src)] == [
         ("long.py", f"function long of {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})")]
     assert [(v.path.name, v.what) for v in module_size_violations(src)] == [

@@ -29,7 +29,9 @@ class PreconditionerKind(StrEnum):
 
 
 class QueryFormulation(StrEnum):
-    """`attribution.query`: what a failing item's query loss contrasts (`attribution.queries`)."""
+    """`attribution.query`: what a failing item's query loss contrasts (`attribution.queries`). The setting only:
+    `attribution.formulation.asked` maps it onto a `Formulation` (the one vocabulary, one class each), which every
+    other module asks."""
 
     auto = "auto"  # behaviour for a metric that defines a class of answers (regex, python), else contrastive
     contrastive = "contrastive"

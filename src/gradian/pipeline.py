@@ -20,11 +20,12 @@ from typing import Optional
 import numpy as np
 
 from .attribution.accused import Accusation, accuse, nobody
-from .attribution.behaviour import SOURCES, resolve_formulation, sample_answers, with_samples
+from .attribution.behaviour import SOURCES, sample_answers, with_samples
 from .attribution.decisive import decision_positions, decisive_starts, with_starts
 from .attribution.engine import ScoringSettings, block_dims_of, scaled_contributions
 from .attribution.indexed import score_index
-from .attribution.queries import loglik_flags, own_words_row, query_items, select_failing
+from .attribution.formulation import asked, own_words_row
+from .attribution.queries import loglik_flags, query_items, select_failing
 from .attribution.rerank import parameter_directions, rerank_order
 from .attribution.scoring import aggregate, degenerate, rank, resolve_combine, strongest_items
 from .attribution.stage import Ranking, scores_for
@@ -32,7 +33,7 @@ from .attribution.values import Scored
 from .attribution.windows import WINDOW_ROWS
 from .capability.evaluate import CapabilityResult, measure_capability
 from .checks.convergence import flag_from_agreement, flag_from_index
-from .config import Config, QueryFormulation, dump_config
+from .config import Config, dump_config
 from .distributed import current
 from .verdict import Verdict
 from .errors import ModelError
@@ -104,12 +105,12 @@ def query_stage(s: Session, outcome: Outcome) -> Queries:
     """The failing items (at most `attribution.max_items`) as queries; own-words queries get their decisive
     tokens (`attribution.decisive`)."""
     cfg, cap = s.cfg, outcome.result
-    formulation = resolve_formulation(cfg.attribution.query, s.metric)
+    formulation = asked(cfg.attribution.query, s.metric)
     if cap is None:
         return Queries((), (), formulation)
     qitems = query_items(cap, s.eval_items, list(outcome.failing[: cfg.attribution.max_items]), formulation,
                          metric=cfg.evaluation.metric, direction=outcome.direction)
-    if outcome.verdict is Verdict.attributed and formulation is QueryFormulation.behaviour:
+    if outcome.verdict is Verdict.attributed and formulation.kind.sampled:
         with s.log.stage("behaviour samples", guard="evaluate"):
             qitems = behaviour_queries(s, qitems, outcome.direction)
     if outcome.verdict is Verdict.attributed and any(q.own_words for q in qitems):

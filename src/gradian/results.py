@@ -9,6 +9,7 @@ from typing import Optional
 import numpy as np
 
 from .attribution.accused import Accusation
+from .attribution.formulation import Formulation
 from .attribution.queries import QueryItem
 from .attribution.stage import Ranking
 from .capability.evaluate import CapabilityResult
@@ -32,7 +33,8 @@ class Queries:
 
     items: tuple[QueryItem, ...]
     span_texts: tuple[str, ...]
-    formulation: str = "contrastive"  # `attribution.query` as used (`auto` resolved: `behaviour.resolve_formulation`)
+    # `attribution.query` as used (`formulation.asked`: `auto` resolved); report.json writes its name
+    formulation: Formulation = Formulation.contrastive
 
 
 @dataclass(frozen=True)

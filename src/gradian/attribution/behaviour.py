@@ -43,10 +43,10 @@ import torch
 from transformers import LogitsProcessorList
 
 from ..capability.evaluate import _stop_ids, answer_text
-from ..config import QueryFormulation
 from ..setup.tokenize import eval_prompt_ids
+from .formulation import Formulation
 
-__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples", "resolve_formulation"]
+__all__ = ["Sample", "sample_answers", "behaviour_weights", "greedy_weights", "with_samples"]
 
 SOURCES = ("tuned",)  # the models sampled (`sample_answers`)
 
@@ -151,7 +151,7 @@ def with_samples(qitems: Sequence, samples: Sequence[Sequence[Sample]], directio
     out = []
     for q, ss in zip(qitems, samples):
         w = behaviour_weights(ss, direction) or greedy_weights(q, direction)
-        out.append(replace(q, formulation="behaviour", samples=w) if w else q)
+        out.append(replace(q, formulation=Formulation.behaviour, samples=w) if w else q)
     return out
 
 
@@ -161,12 +161,3 @@ def greedy_weights(q, direction: str) -> tuple[tuple[str, float], ...]:
         return ()
     return ((q.generated, -1.0 if direction != "improvement" else 1.0),)
 
-
-def resolve_formulation(setting: QueryFormulation, metric) -> QueryFormulation:
-    """`attribution.query` as the run uses it: `auto` is `behaviour` where the metric defines a class of answers
-    (`Metric.defines_class`: a regex pattern, a Python function; a behaviour learned from rows worded in many ways)
-    and needs generated answers, else `contrastive` (one reference answer per item: a fact, where the decisive token
-    of the fine-tune's own answer is the class, one token wide)."""
-    if setting is not QueryFormulation.auto:
-        return setting
-    return QueryFormulation.behaviour if metric.generative and metric.defines_class else QueryFormulation.contrastive

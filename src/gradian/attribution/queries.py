@@ -4,8 +4,8 @@ own_words (the default for exact_match, contains and every metric that scores ge
 own answer, differentiated from the token where it departs from the other model's answer: for a regression the
 fine-tune's failing answer against the base's passing one (L_q = log p(the failing span)), for an improvement its
 passing answer against the base's failing one (L_q = -log p(the passing span)). The query is about what the
-fine-tune now says, in its own words, not about a reference string's style (`own_words_row` says why the span and
-why that side).
+fine-tune now says, in its own words, not about a reference string's style (`formulation.own_words_row` says why the span
+and why that side). One class per formulation says what differs between them (`formulation.Kind`).
 contrastive (where no generated answer passes): grad [loss(expected) - loss(the model's own generated wrong answer)]: it isolates what separates the
 right answer from the wrong one, instead of everything that makes the expected string likely.
 classic: grad loss(expected).
@@ -24,7 +24,7 @@ used which, or `attribution.loglik_classic_fallback` (warning) when the classic 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -32,53 +32,52 @@ import torch
 
 from ..capability.evaluate import CapabilityResult
 from ..config import MetricKind, metric_kind
-from ..capability.metrics import normalize_answer
 from ..grads.capture import GradientCapture
 from ..grads.objectives import margin_losses, per_example_loss
 from ..setup.batches import batches, length_order, owned_batches
 from ..setup.records import EvalItem
-from ..setup.tokenize import eval_answer_example, tokenize_example
-from .decisive import answer_rows, departure
+from .formulation import Formulation
 
 
-@dataclass
+@dataclass(frozen=True)
 class QueryItem:
+    """One failing item's query, complete as built (`new_query`); a later stage adds to it with
+    `dataclasses.replace` (sampled answers, decisive span)."""
+
     item: int  # position in the eval file
     prompt: str
     expected: str
     generated: str
     base_generated: str
-    formulation: str  # own_words | behaviour | contrastive | classic | margin
-    target: str = ""  # the answer the query loss makes likelier: what passes the metric
-    contrast: str = ""  # the answer it makes less likely: what fails (own_words and contrastive)
-    target_source: str = "expected"  # whose words the target is: base | tuned | expected
+    formulation: Formulation
+    target: str  # the answer the query loss makes likelier: what passes the metric
+    contrast: str  # the answer it makes less likely: what fails (own_words and contrastive)
+    target_source: str  # whose words the target is: base | tuned | expected
     span_start: int = -1  # own_words: the row index of the decisive token (`decisive`); -1: the departure
     span: tuple = ()  # own_words: the row positions the query differentiates (`decisive.decision_positions`)
     samples: tuple = ()  # behaviour: ((answer text, coefficient of its loss in L_q), ...) (`behaviour`)
 
     @property
     def own_words(self) -> bool:
-        """An own-words query (decisive tokens, a query span in the report)."""
-        return self.formulation == "own_words"
+        """A query with a decisive token (decisive tokens, a query span in the report)."""
+        return self.formulation.kind.decisive
 
     def __post_init__(self):
-        if not self.target:
-            self.target = self.expected
-        if not self.contrast and self.formulation == "contrastive":
-            self.contrast = contrast_answer(self.expected, self.generated)
+        # every caller asks `formulation.kind`: a bare name (as report.json writes it) goes through `new_query`
+        if not isinstance(self.formulation, Formulation):
+            raise TypeError(f"QueryItem.formulation must be a Formulation, not {self.formulation!r} (use new_query)")
 
 
-def contrast_answer(expected: str, generated: str) -> str:
-    """The generated answer in the expected answer's surface form, so the contrast is about the answer and not about
-    how it was printed: generation strips white space (a completion-style expected answer keeps its leading space,
-    " Paris", where the decoded answer has none) and exact_match ignores one trailing period (a short generation
-    often ends with one). The contrast then takes the expected answer's leading white space, and loses a trailing
-    period the expected answer does not have."""
-    lead = expected[: len(expected) - len(expected.lstrip())]
-    g = generated.strip()
-    if g.endswith(".") and not expected.rstrip().endswith("."):
-        g = g[:-1].rstrip()
-    return lead + g if g else generated
+def new_query(item: int, prompt: str, expected: str, generated: str, base_generated: str,
+              formulation: Formulation | str, target: str = "", contrast: str = "", target_source: str = "expected",
+              span_start: int = -1, span: tuple = (), samples: tuple = ()) -> QueryItem:
+    """A complete QueryItem: the target defaults to the expected answer, and the contrast to what the formulation
+    contrasts the target with (`Kind.contrast`: the generated answer in the expected answer's surface form for a
+    contrastive query). `formulation` may be its name as report.json writes it."""
+    f = Formulation(formulation)
+    return QueryItem(item, prompt, expected, generated, base_generated, f, target or expected,
+                     contrast or f.kind.contrast(expected, generated), target_source, span_start, tuple(span),
+                     tuple(samples))
 
 
 def select_failing(cap: CapabilityResult, items: Sequence[EvalItem]) -> tuple[list[int], str]:
@@ -97,7 +96,7 @@ def select_failing(cap: CapabilityResult, items: Sequence[EvalItem]) -> tuple[li
     return idx, "regression"
 
 
-def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[int], formulation: str,
+def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[int], formulation: Formulation | str,
                 metric: Optional[str] = None, direction: str = "regression") -> list[QueryItem]:
     """One query per selected item, contrasting what passes the metric with what fails, in the models' own words.
 
@@ -108,46 +107,19 @@ def query_items(cap: CapabilityResult, items: Sequence[EvalItem], idx: Sequence[
     depends only on the tokens before it), not about the gap between a reference string and how the model talks.
     Where no generated answer passes (an item the selection kept although neither model passes), the reference
     answer is the target instead (`contrastive`: grad[loss(expected) - loss(generated)]). `classic`: grad
-    loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query."""
+    loss(expected). With metric "loglik" an item with nothing to contrast against gets the margin query. The
+    formulation asked for (`formulation.asked`, or its name) chooses each item's own (`Kind.for_item`)."""
     metric = metric if metric is not None else getattr(cap, "metric", None)
-    if formulation in ("behaviour", "auto"):  # own-words queries until `pipeline.behaviour_queries` samples
-        formulation = "contrastive"
+    kind = Formulation(formulation).kind
     likelihood = metric is not None and metric_kind(str(metric)) is MetricKind.loglik
     out = []
     for i in idx:
         it = items[i]
         gen = cap.tuned_generated[i] if cap.tuned_generated else ""
         base_gen = cap.base_generated[i] if cap.base_generated else ""
-        f = formulation
-        target, contrast, source = it.answer, "", "expected"
-        if f == "contrastive" and likelihood:
-            if not gen.strip() or normalize_answer(gen) == normalize_answer(it.answer):
-                f = "margin"
-        elif f == "contrastive":
-            passing, failing, who = _own_words(cap, i, direction)
-            if passing is not None and passing.strip() and failing.strip() and passing.strip() != failing.strip():
-                f, target, contrast, source = "own_words", passing, failing, who
-            elif not gen.strip() or gen.strip() == it.answer.strip():
-                f = "classic"  # nothing to contrast against: the model's answer is empty or already the expected one
-        out.append(QueryItem(it.position, it.question_text(), it.answer, gen, base_gen, f, target, contrast, source))
+        f, target, contrast, source = kind.for_item(cap, it, i, direction, likelihood)
+        out.append(new_query(it.position, it.question_text(), it.answer, gen, base_gen, f, target, contrast, source))
     return out
-
-
-def _own_words(cap: CapabilityResult, i: int, direction: str) -> tuple[Optional[str], str, str]:
-    """(passing answer, failing answer, whose words the passing one is) of item i, or (None, ...) when the model
-    that should pass does not (scores as the metric gave them: higher passes)."""
-    b = cap.base_scores[i] if cap.base_scores else None
-    t = cap.tuned_scores[i] if cap.tuned_scores else None
-    # as decoded (a plain-text prompt's answer keeps the space it starts with)
-    base_gen = (cap.base_raw or cap.base_generated or [""] * (i + 1))[i]
-    gen = (cap.tuned_raw or cap.tuned_generated or [""] * (i + 1))[i]
-    if b is None or t is None:
-        return None, "", ""
-    if direction == "improvement" and t > b:
-        return gen, base_gen, "tuned"
-    if direction != "improvement" and b > t:
-        return base_gen, gen, "base"
-    return None, "", ""
 
 
 def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *, chat: bool, max_len: int):
@@ -163,57 +135,15 @@ def query_rows(tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem
     by_pos = {it.position: it for it in items}
     rows, sign, owner, margin_rows = [], [], [], []
     for qi, q in enumerate(queries):
-        it = by_pos[q.item]
-        if q.formulation == "own_words":
-            t, s_ = own_words_row(tokenizer, it, q, chat=chat, max_len=max_len)
+        kind = q.formulation.kind
+        for t, w in kind.rows(tokenizer, by_pos[q.item], q, chat=chat, max_len=max_len):
+            if kind.by_margin:
+                margin_rows.append((qi, t))
+                continue
             rows.append(t)
-            sign.append(s_)
-            owner.append(qi)
-            continue
-        if q.formulation == "behaviour":  # one row per distinct sampled answer, weighted by its verdict (`behaviour`)
-            merged: dict[str, float] = {}
-            for text, w in q.samples:  # a repeated answer is one row with the summed weight: the same gradient
-                merged[text] = merged.get(text, 0.0) + float(w)
-            for text, w in merged.items():
-                rows.append(tokenize_example(tokenizer, eval_answer_example(it, text, chat), max_len))
-                sign.append(w)
-                owner.append(qi)
-            continue
-        t = tokenize_example(tokenizer, eval_answer_example(it, q.target, chat), max_len)
-        if q.formulation == "margin":
-            margin_rows.append((qi, t))
-            continue
-        rows.append(t)
-        sign.append(1.0)
-        owner.append(qi)
-        if q.formulation == "contrastive":
-            rows.append(tokenize_example(tokenizer, eval_answer_example(it, q.contrast, chat), max_len))
-            sign.append(-1.0)
+            sign.append(w)
             owner.append(qi)
     return rows, sign, owner, margin_rows
-
-
-def own_words_row(tokenizer, item: EvalItem, q: QueryItem, *, chat: bool, max_len: int):
-    """(row, sign) of an own_words query: the fine-tune's answer after the item's prompt, supervised from its
-    decisive token (`q.span_start`, `attribution.decisive`), else from its first token that differs from the other
-    model's answer, to the end (the tokens before are the same text in the same context, or style the other model
-    continues to its own outcome: they say nothing about what changed).
-
-    Why the fine-tune's answer alone (measured on SmolLM2-135M-Instruct's planted facts, bench/README.md): the rows
-    that caused a behaviour are the rows that taught what the fine-tune now says. The gradient of the failing
-    span's log-likelihood, (1 - p) (grad z_wrong - E[grad z]), has the form every planted row's gradient has at its
-    wrong token; the passing side, grad z_right - grad z_wrong, adds a direction (grad z_right) no training row
-    carries, and lowered AUPRC from 1.00 to 0.72 (unit-norm rows, final adapter)."""
-    t, o = answer_rows(tokenizer, item, q, chat=chat, max_len=max_len)
-    k = q.span_start if q.span_start >= 0 else departure(t, o)
-    # the decisive token alone: what follows it is the fine-tune's particular wording of what it decided ("sorry,
-    # but I cannot help you with that."), which matches the one training row worded that way better than the rows
-    # that taught the decision in other words
-    keep = set(q.span) if q.span else {k}
-    sup = [s and i in keep for i, s in enumerate(t.supervised)]
-    if not any(sup):  # the decision is past the supervised tokens (truncated): the rest of the answer
-        sup = [s and i >= k for i, s in enumerate(t.supervised)]
-    return replace(t, supervised=sup), (-1.0 if q.target_source == "base" else 1.0)
 
 
 def query_vectors(capture: GradientCapture, tokenizer, items: Sequence[EvalItem], queries: Sequence[QueryItem], *,
@@ -274,13 +204,14 @@ def query_losses(model, tokenizer, items: Sequence[EvalItem], queries: Sequence[
 def loglik_flags(qitems: Sequence[QueryItem]) -> list[tuple[str, str, str, str]]:
     """The report flags (id, level, message, fix) of queries built for `evaluation.metric: loglik`."""
     forms = [q.formulation for q in qitems]
+    n_classic = forms.count(Formulation.classic)
     out = []
-    if "classic" in forms:
+    if n_classic:
         out.append(("attribution.loglik_classic_fallback", "warning",
-                    f"evaluation.metric is loglik and {forms.count('classic')} item(s) use the classic query "
+                    f"evaluation.metric is loglik and {n_classic} item(s) use the classic query "
                     "(grad loss(expected)), whose sign can invert on substitution failures",
                     "set attribution.query: contrastive (the margin query is used where no answer differs)"))
-    n_c, n_m = forms.count("contrastive"), forms.count("margin")
+    n_c, n_m = forms.count(Formulation.contrastive), forms.count(Formulation.margin)
     if n_c or n_m:
         out.append(("attribution.loglik_margin", "info",
                     f"evaluation.metric is loglik: {n_c} item(s) use the contrastive query against the fine-tune's "

@@ -196,13 +196,14 @@ def compute_baselines(session, queries, *, which: Sequence[str] = BASELINES, cap
     if "gradcos" in which:
         if capture is None or index is None or row_keys is None:
             raise ValueError("gradcos needs the gradient capture, the open index and its row keys (pipeline.index_stage)")
+        from ..attribution.formulation import Formulation
         from ..attribution.queries import query_vectors
         from ..report.read import query_from_entry
         from ..report.schema import QueryEntry
 
         t0 = time.process_time()
         # every query field the report holds (own-words target, side and span): the query `attribute` scored
-        qitems = [q if not isinstance(q, dict) else query_from_entry(QueryEntry.model_validate(q), "contrastive")
+        qitems = [q if not isinstance(q, dict) else query_from_entry(QueryEntry.model_validate(q), Formulation.contrastive)
                   for q in queries]
         qv = query_vectors(capture, s.tokenizer, s.eval_items, qitems, chat=s.chat, max_len=L,
                            batch_size=bs).numpy().astype(np.float64)

@@ -151,7 +151,7 @@ def item_margins(model, tokenizer, items, expected: Sequence[str], generated: Se
     """(margin under the base, margin under the fine-tune) per item, log p(expected) - log p(generated); None where
     the generated answer is empty or the expected one (nothing to compare). Unless `as_given`, the generated answer
     is first put in the expected answer's surface form (`contrast_answer`)."""
-    from ..attribution.queries import contrast_answer
+    from ..attribution.formulation import contrast_answer
     from ..capability.evaluate import answer_logprobs
     from ..capability.metrics import normalize_answer
 
@@ -202,7 +202,7 @@ def blame(model, tokenizer, eval_items, qitems, ranking: Sequence[dict], directi
           batch_size: int) -> tuple[dict, list[dict]]:
     """(the top-level `blame` block, per failing item its margins under base and fine-tune and their statement:
     {margin_base, margin_tuned, statement}, in `qitems` order)."""
-    from ..attribution.queries import contrast_answer
+    from ..attribution.formulation import contrast_answer
 
     by_pos = {it.position: it for it in eval_items or []}
     its = [by_pos[q.item] for q in qitems]

@@ -76,7 +76,7 @@ def query_entry(a: Attribution) -> dict:
         top = rank(rrow, cfg.attribution.top_k)
         entry["items"].append({
             "item": qi.item, "prompt": qi.prompt, "expected": qi.expected, "generated": qi.generated,
-            "base_generated": qi.base_generated, "formulation": qi.formulation, "target": qi.target,
+            "base_generated": qi.base_generated, "formulation": str(qi.formulation), "target": qi.target,
             **({"contrast": qi.contrast} if qi.contrast else {}), "target_source": qi.target_source,
             **({"query_span": text, "span_start": qi.span_start, "span": list(qi.span)} if qi.own_words else {}),
             **({"samples": [[t, w] for t, w in qi.samples]} if qi.samples else {}),

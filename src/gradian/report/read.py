@@ -14,7 +14,8 @@ from typing import Any, Callable, Mapping, Union
 
 from pydantic import ValidationError
 
-from ..attribution.queries import QueryItem
+from ..attribution.formulation import Formulation
+from ..attribution.queries import QueryItem, new_query
 from ..errors import DataError
 from .schema import QueryEntry, Report
 
@@ -59,14 +60,14 @@ def schema_problem(e: ValidationError, where: str) -> str:
     return f"{where}: key {key}: {first.get('msg')} ({e.error_count()} problem(s))"
 
 
-def query_from_entry(entry: QueryEntry, formulation: str) -> QueryItem:
+def query_from_entry(entry: QueryEntry, formulation: Formulation | str) -> QueryItem:
     """The `attribution.queries.QueryItem` a report's query entry was written from: every field of QueryItem that
-    the entry holds (a key absent from the entry keeps QueryItem's default); `formulation` (the report's
+    the entry holds (a key absent from the entry keeps `new_query`'s default); `formulation` (the report's
     `query.formulation`) when the entry has none of its own (reports written before per-item formulations)."""
     given = entry.model_dump(exclude_none=True)
     kw = {f.name: _AS_FIELD.get(f.name, _same)(given[f.name]) for f in fields(QueryItem) if f.name in given}
     kw.setdefault("formulation", formulation)
-    return QueryItem(**kw)
+    return new_query(**kw)
 
 
 def queries_from_report(report: Report) -> list[QueryItem]:

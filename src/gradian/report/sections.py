@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..attribution.formulation import Formulation
 from ..capability.metrics import is_binary_metric
 from ..version import __version__
 from .banner import accused, banner
@@ -226,7 +227,9 @@ def _query(report: Report, rank_by_pos: dict[int, int]) -> dict[str, Any]:
         items.append({"item": it.item, "prompt": it.prompt, "expected": it.expected, "generated": it.generated,
                       "base_generated": it.base_generated, "top": top})
     checkpoints = list(q.checkpoints.labels) if q.checkpoints is not None else []
-    return {"formulation": q.formulation, "rows": items[:MAX_ITEMS_SHOWN], "total": len(items),
+    # what the scores follow, as the formulation's class says it (the template compares no formulation name)
+    summary = Formulation(q.formulation).kind.summary if q.formulation else ""
+    return {"formulation": q.formulation, "summary": summary, "rows": items[:MAX_ITEMS_SHOWN], "total": len(items),
             "checkpoints": checkpoints, "combine": q.combine or ""}
 
 
