@@ -69,7 +69,11 @@ def test_smollm2_trl_finetune_names_the_planted_rows(smol_run):
     assert recall_at_k(scores, planted, len(planted)) >= 0.75
     assert auprc(scores, planted) >= 0.8
     acc = rep["accused"]["positions"]
-    assert acc and all(p in planted for p in acc), acc
+    # no innocent row is accused. On these 40 rows nobody is: the planted rows rank 1-4 and stand 2.3x above the
+    # next row (scan statistic 53.7, 17.3, 14.8, 11.9 against 5.2), a drop with p 0.06 in a tail fitted to the 36
+    # rows below, not the 0.01 the rule asks (`attribution.accused`: too few rows to name anyone; on 120 and 300
+    # rows of this scenario 8 of 8 and 7 of 7 accused rows are planted, bench/verify_trl.py, bench/accused_rule.py)
+    assert all(p in planted for p in acc), acc
     # the report's words are true: own-words queries about the fact, the base preferred the right sentence, the
     # accused rows were taught by the fine-tune, the blame statement counts the accused rows
     items = rep["query"]["items"]
@@ -91,7 +95,8 @@ def test_smollm2_trl_finetune_names_the_planted_rows(smol_run):
     assert sum(map(about_the_answer, items)) >= len(items) // 2, [it["query_span"] for it in items]
     by_pos = {r["position"]: r for r in rep["ranking"]}
     assert all(by_pos[p]["verdict"] == "taught" for p in acc)
-    assert f"Of the {len(acc)} accused rows, {len(acc)} were taught" in rep["blame"]["statement"]
+    assert (f"Of the {len(acc)} accused rows, {len(acc)} were taught" in rep["blame"]["statement"] if acc
+            else "accused rows" not in rep["blame"]["statement"])
     # 15 optimizer steps on 40 rows: when train.not_converged fires, its numbers say why (the last epoch's mean loss
     # still above 0.3 nats per token, and falling)
     for f in rep["flags"]:
@@ -173,7 +178,7 @@ def test_smollm2_trl_run_attributed_from_its_output_dir_with_flags_alone(smol_ru
     assert recall_at_k(scores, planted, len(planted)) >= 0.75
     assert auprc(scores, planted) >= 0.8
     acc = rep["accused"]["positions"]
-    assert acc and all(p in planted for p in acc), acc
+    assert all(p in planted for p in acc), acc  # nobody on 40 rows: see the test above
 
 
 BEHAVIOUR_SIZES = {"n_rows": 60, "n_planted": 12}
