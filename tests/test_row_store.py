@@ -228,7 +228,7 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path):
     lines = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval2.jsonl").write_text("\n".join(lines[::2]) + "\n")
     sets = ["data.eval=eval2.jsonl", "attribution.top_k=10", cache]
-    second = attribute(load_config(cfg_path, ["output=second", *sets]))
+    second = attribute(load_config(cfg_path, ["output=second", "attribution.store=shortlist", *sets]))
     full = attribute(load_config(cfg_path, ["output=full", "attribution.store=full", *sets]))
     assert second["verdict"] == full["verdict"] == "attributed"
     sl = second["scoring"]

@@ -41,7 +41,7 @@ class ScoringSettings:
     per_turn: bool = True  # one pass, unit rows: conversations ranked by their best exchange (`one_pass`)
     combine: str = "mean"  # how items combine into a row's ranking score (`scoring.combine_items`): the shortlist's
     top_k: int = 50  # the rows a report ranks (`attribution.top_k`): what a later question's shortlist must hold
-    store: str = "shortlist"  # `attribution.store`: the one pass's per-row store, and what a later question does
+    store: str = "full"  # `attribution.store`: the one pass's per-row store, and what a later question does
 
     @classmethod
     def from_config(cls, cfg, direction: str, **overrides) -> "ScoringSettings":
