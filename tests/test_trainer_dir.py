@@ -4,7 +4,9 @@ with the run's schedule and seed, and the reproduction condition (a retrain that
 nothing).
 
 The run: the 48-row tiny scenario of test_verify trained by TRL's SFTTrainer as a user writes it (linear schedule,
-warm-up, seed 3, use_cpu, TRL's defaults otherwise: bf16 autocast, gradient checkpointing), no callback; 18 steps,
+warm-up, seed 3, use_cpu, TRL's defaults otherwise: bf16 autocast, gradient checkpointing), no callback; 4 epochs,
+24 steps (3 epochs take up 2 of the 4 planted facts under ATEN_CPU_CAPABILITY=default: too few failing items for any
+verdict to confirm),
 seconds.
 """
 
@@ -35,7 +37,7 @@ def _cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def train_plain_trl(run: Path, *, seed: int = 3) -> dict:
+def train_plain_trl(run: Path, *, seed: int = 3, epochs: int = 4) -> dict:
     """TRL's SFTTrainer over run/train.jsonl into run/trl, no callback; returns the run's arguments as the callback
     would record them from the live object (`recorded_args`)."""
     from datasets import load_dataset
@@ -46,7 +48,7 @@ def train_plain_trl(run: Path, *, seed: int = 3) -> dict:
     from gradian.training.trl import recorded_args
 
     base = yaml.safe_load((run / "gradian.yaml").read_text())["model"]["base"]
-    args = SFTConfig(output_dir=str(run / "trl"), num_train_epochs=3, per_device_train_batch_size=8,
+    args = SFTConfig(output_dir=str(run / "trl"), num_train_epochs=epochs, per_device_train_batch_size=8,
                      learning_rate=1e-2, warmup_steps=2, assistant_only_loss=True, max_length=64, seed=seed,
                      save_strategy="epoch", logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
@@ -105,10 +107,10 @@ def test_recipe_read_from_a_plain_trl_dir_is_the_runs(plain_run, tmp_path):
     assert recipe.trainer_args == used  # every TRAINER_ARG_KEYS field, as the callback records it
     assert used["bf16"] is True and used["lr_scheduler_type"] == "linear"  # TRL's defaults, replayed as they ran
     hp = recipe.hyperparameters
-    assert (hp.learning_rate, hp.epochs, hp.batch_size, hp.warmup_steps, hp.lr_scheduler) == (1e-2, 3, 8, 2, "linear")
+    assert (hp.learning_rate, hp.epochs, hp.batch_size, hp.warmup_steps, hp.lr_scheduler) == (1e-2, 4, 8, 2, "linear")
     assert (hp.lora_r, hp.lora_alpha, hp.lora_dropout) == (4, 8.0, 0.0) and hp.loss == "supervised"
     assert hp.target_modules == ["down_proj", "o_proj", "q_proj", "v_proj"]
-    assert recipe.total_steps == recipe.step == 18
+    assert recipe.total_steps == recipe.step == 24
     assert recipe.lora_config["inference_mode"] is False
     out = run_training(cfg, recipe=recipe, out_dir=tmp_path / "replay", progress=False)
     assert adapters_equal(out, plain_run / "trl")
@@ -116,7 +118,7 @@ def test_recipe_read_from_a_plain_trl_dir_is_the_runs(plain_run, tmp_path):
 
 
 def test_a_retrain_over_other_data_stops_before_its_first_step(plain_run, tmp_path):
-    """trainer_state.json says the run took 18 steps; 40 rows in batches of 8 for 3 epochs take 15: stopped at the
+    """trainer_state.json says the run took 24 steps; 40 rows in batches of 8 for 4 epochs take 20: stopped at the
     start with a message naming the state file."""
     from gradian.config import load_config
     from gradian.errors import ModelError
@@ -131,7 +133,7 @@ def test_a_retrain_over_other_data_stops_before_its_first_step(plain_run, tmp_pa
     with pytest.raises(ModelError) as e:
         run_training(cfg, recipe=recipe, out_dir=tmp_path / "out", progress=False)
     msg = words(str(e.value))
-    assert "trainer_state.json: the run took 18 optimizer steps" in msg and "takes 15" in msg
+    assert "trainer_state.json: the run took 24 optimizer steps" in msg and "takes 20" in msg
     assert not (tmp_path / "out").exists()
 
 
@@ -262,19 +264,28 @@ def test_verify_a_plain_trl_run_from_flags_confirms(plain_run, tmp_path, monkeyp
              "--set", "grads.max_seq_length=64", "--set", "attribution.top_k=20")
     assert r.exit_code == 0, r.output
     assert "backend" not in yaml.safe_load((run / "why" / "gradian.yaml").read_text())["train"]
-    # 48 rows are too few for the accusation's tail test (the 4 planted rows stand 2.6x above the next, p 0.04 against
-    # 0.01: nobody accused), so the claim verified is the top 4 of the ranking, the 4 planted rows
-    r = _cli("verify", "why/gradian.yaml", "--controls", "1", "--top-k", "4")
+    # The claim verified is the report's: its accused rows, or (48 rows are often too few for the accusation's tail
+    # test: on the native kernel the 4 planted rows stand 2.6x above the next, p 0.04 against 0.01) the top 4 of its
+    # ranking. Which rows those are depends on the CPU kernel path: TRL's bf16 autocast training takes up 2 to 4 of
+    # the planted facts (measured: native 4, ATEN_CPU_CAPABILITY=default 2, avx2 3), so the claim is read from the
+    # report, not assumed, and holds at least 2 planted rows on every path.
+    rep = json.loads((run / "why" / "report.json").read_text())
+    k = rep["accused"]["count"] or 4
+    claimed = rep["accused"]["positions"] or [row["position"] for row in rep["ranking"][:k]]
+    assert len(set(claimed) & {9, 10, 17, 37}) >= 2, claimed
+    r = _cli("verify", "why/gradian.yaml", "--controls", "1", "--top-k", k)
     assert r.exit_code == 0, r.output
     v = json.loads((run / "why" / "verify.json").read_text())
-    assert sorted(v["accused"]["positions"]) == [9, 10, 17, 37]
+    assert sorted(v["accused"]["positions"]) == sorted(claimed)
     assert v["recipe_origin"] == "trainer_dir" and v["backend"] == "trl" and v["recipe"].endswith("training_args.bin")
     assert v["reference"]["reproduced_bit_for_bit"] is True and v["reference"]["weight_distance"] == 0.0
     rep = v["reproduction"]
     assert rep["reproduced"] is True and rep["weight_distance"] == 0.0 and rep["reference_gap"] == 0.0
     assert rep["tolerance"] == {"max_weight_distance": 0.05, "max_reference_gap": 0.1, "max_controls_drift": 0.25}
-    # measured: the top 4 (the 4 planted) revert 100% (8 of 16 items), the control 0%
-    assert v["accused"]["reverted_fraction"] >= 0.8 and abs(v["controls"][0]["reverted_fraction"]) <= 0.1
+    # measured (4 epochs): the claim reverts 100% on the native, default and avx2 kernels; a control of 4 random rows
+    # of 48 moves 0 or 1 of the 8 failing items (0% or -12%), within the drift verify tolerates
+    assert v["accused"]["reverted_fraction"] >= 0.8
+    assert abs(v["controls"][0]["reverted_fraction"]) <= rep["tolerance"]["max_controls_drift"]
     assert v["verdict"] == "confirmed" and v["confirmed"] is True
     out = words(r.output)
     assert "Confirmed:" in out and "the reference retrain reproduces your fine-tune" in out
@@ -371,13 +382,13 @@ def test_trainer_state_from_an_earlier_checkpoint_and_a_checkpoint_as_the_adapte
     from gradian.training.trainer_dir import recipe_for_retrain
 
     run = _copy(plain_run, tmp_path / "run")
-    shutil.rmtree(run / "trl" / "checkpoint-18")
+    shutil.rmtree(run / "trl" / "checkpoint-24")
     recipe, _ = recipe_for_retrain(load_config(run / "gradian.yaml"))
-    assert recipe.total_steps == recipe.step == 18
-    assert recipe.origin_files[-1] == str(run / "trl" / "checkpoint-12" / "trainer_state.json")
+    assert recipe.total_steps == recipe.step == 24
+    assert recipe.origin_files[-1] == str(run / "trl" / "checkpoint-18" / "trainer_state.json")
     r = _cli("verify", run / "gradian.yaml", "--set", "model.adapter=trl/checkpoint-6")
     out = words(r.output)
-    assert r.exit_code == 2 and "checkpoint-6/trainer_state.json: the adapter is the state after step 6 of 18" in out
+    assert r.exit_code == 2 and "checkpoint-6/trainer_state.json: the adapter is the state after step 6 of 24" in out
 
 
 def test_an_hf_trainer_dir_reads_its_training_arguments(plain_run, tmp_path):
@@ -400,5 +411,5 @@ def test_an_hf_trainer_dir_reads_its_training_arguments(plain_run, tmp_path):
     hp = recipe.hyperparameters
     assert (hp.learning_rate, hp.epochs, hp.batch_size, hp.lr_scheduler, hp.max_seq_length) == (3e-4, 2, 4, "cosine",
                                                                                                 1024)
-    assert hp.warmup_steps == 2 and hp.loss == "all"  # 10% of the 18 steps trainer_state.json counts; messages data
+    assert hp.warmup_steps == 3 and hp.loss == "all"  # 10% of 24 steps, rounded up; messages data
     assert recipe.trainer_args["lr_scheduler_type"] == "cosine" and "max_length" not in recipe.trainer_args
