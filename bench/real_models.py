@@ -230,7 +230,7 @@ def second_question(run: Path, sets: list[str], first_cpu: float) -> dict:
     lines = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval-q2.jsonl").write_text("\n".join(lines[1::2]) + "\n")
     both = [*sets, f"grads.cache_dir={run / 'bench-out' / 'index'}", "data.eval=eval-q2.jsonl"]
-    q2 = attribute_child(run, [*both, "attribution.store=shortlist"], "bench-out-q2")  # opt-in since 2026-12-06
+    q2 = attribute_child(run, [*both, "attribution.store=shortlist"], "bench-out-q2")  # the default, said
     full = attribute_child(run, [*both, "attribution.store=full"], "bench-out-q2full")
     a, b = (json.loads((run / d / "report.json").read_text()) for d in ("bench-out-q2", "bench-out-q2full"))
     ta, tb = [r["position"] for r in a["ranking"]], [r["position"] for r in b["ranking"]]

@@ -9,7 +9,8 @@ import pytest
 
 from gradian.attribution.accused import accuse
 from gradian.attribution.scoring import robust_z
-from gradian.attribution.scoring import combine_items, item_z, rank, resolve_combine
+from gradian.attribution.scoring import (MAD_TO_SD, REFERENCE_ROWS, combine_items, item_z, rank,
+                                        reference_rows, resolve_combine)
 
 
 def test_auto_is_max_only_when_every_item_is_an_own_words_query():
@@ -35,11 +36,19 @@ def test_the_mean_dilutes_the_row_that_taught_one_item_and_the_max_does_not():
     assert rank(combine_items(per, "mean"))[0] == 11
     assert rank(combine_items(per, "max"))[0] == 7
     np.testing.assert_allclose(combine_items(per, "mean"), per.mean(0))
-    # max: each item's robust z against its own rows (the accusation rule's null), then the max over items
-    z = np.stack([robust_z(r)[0] for r in per])
-    np.testing.assert_array_equal(item_z(per), z)
-    np.testing.assert_array_equal(combine_items(per, "max"), z.max(0))
+    # max: each item's robust z against its own reference rows (the accusation rule's null), then the max over
+    # items; beyond REFERENCE_ROWS rows the median and scale are the seeded sample's (`reference_rows`)
+    ref = reference_rows(per.shape[1])
+    assert per.shape[1] > REFERENCE_ROWS and ref.size == REFERENCE_ROWS and np.all(np.diff(ref) > 0)
+    assert np.array_equal(ref, reference_rows(per.shape[1]))  # the same sample on every call
+    med = np.median(per[:, ref].astype(np.float64), axis=1, keepdims=True)
+    scale = MAD_TO_SD * np.median(np.abs(per[:, ref] - med), axis=1, keepdims=True)
+    z = (per - med) / scale
+    np.testing.assert_allclose(item_z(per), z, rtol=1e-12)
+    np.testing.assert_array_equal(combine_items(per, "max"), item_z(per).max(0))
     assert combine_items(np.zeros((0, 5), np.float32), "max").shape == (5,)
+    few = per[:, :200]  # up to REFERENCE_ROWS rows, every row
+    np.testing.assert_array_equal(item_z(few), np.stack([robust_z(r)[0] for r in few]))
 
 
 def test_a_noisy_items_bulk_does_not_win_the_max():

@@ -205,14 +205,19 @@ def test_a_corrupt_or_foreign_store_is_not_trusted(demo, tmp_path, backward_rows
     assert sum(backward_rows) == len(op.plan.held) + len(op.plan.streamed) and _same(clean, again)
 
 
-def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path):
+def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkeypatch):
     """conversation4 (conversations ranked by exchange: the one pass, every row held) through `gradian attribute`:
     the first run leaves the store (in the cache the runs share); a rerun reads every score back (the same scores.npy); the same config with
     another eval set (every other eval item) is scored from the store's shortlist, states its bound, and ranks the
-    same top rows as a full pass over that eval set does (`attribution.store: full`)."""
+    same top rows as a full pass over that eval set does (`attribution.store: full`). Each item's median and scale
+    are measured on 40 reference rows (`scoring.REFERENCE_ROWS`, 256 in use: as many as these 100 rows, which the
+    shortlist would then score every one of), exact in both modes."""
     from test_precondition import trained_scenario
 
+    from gradian.attribution import scoring
     from gradian.attribution.scoring import rank
+
+    monkeypatch.setattr(scoring, "REFERENCE_ROWS", 40)
     from gradian.config import load_config
     from gradian.pipeline import attribute
 
@@ -233,13 +238,12 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path):
     assert second["verdict"] == full["verdict"] == "attributed"
     sl = second["scoring"]
     assert sl["mode"].startswith("per-row store") and sl["store"] == store
-    # (on 100 tiny rows whose scores sit within the sketch's error of each other the shortlist takes them all; on
-    # real rows it is a fraction: bench/real_models.py --second-question)
-    assert sl["exact_rows"] <= sl["unique_rows"] and "sketch error" in sl["shortlist"]["rule"]
+    assert 40 < sl["exact_rows"] < sl["unique_rows"] and "sketch error" in sl["shortlist"]["rule"]
     s2, sf = np.load(run / "second" / "scores.npy"), np.load(run / "full" / "scores.npy")
-    # the same top rows; their order can differ where two are close: items combine by their max robust z, whose
-    # median and scale the store's sketched rows estimate (`scoring.item_z` with their spread)
-    assert set(rank(s2, 10).tolist()) == set(rank(sf, 10).tolist()) and rank(s2, 1).tolist() == rank(sf, 1).tolist()
+    # the same top rows with the same scores (a row's z: its exact score against its item's exact reference rows)
+    top = rank(sf, 10)
+    assert set(rank(s2, 10).tolist()) == set(top.tolist()) and rank(s2, 1).tolist() == rank(sf, 1).tolist()
+    np.testing.assert_allclose(s2[top], sf[top], rtol=1e-4)
 
 
 def test_the_fused_sketches_are_the_count_sketches():

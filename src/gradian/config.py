@@ -198,12 +198,11 @@ class AttributionConfig(_Section):
     combine: Literal["auto", "mean", "max"] = "auto"
     # The per-row store the one pass leaves under grads.cache_dir (keyed by the model, the adapter state, the data
     # and the scoring settings): a killed pass resumes from it, a rerun reads its scores back, and a later question
-    # (another eval set or metric) is, with full (the default), scored by a pass over every row again; with
-    # shortlist, scored exactly on the rows the store's sketches shortlist; off keeps no store. Why full is the
-    # default: on the 2,000-row SmolLM2 set (bench/real_models.py smol_mixed --second-question) the shortlist cost
-    # 0.09x the first pass but its top 50 held 44 of a full pass's, where its stated bound said 1e-6 rows would be
-    # missed (the sketched rows' errors there exceed the spread the bound assumes): a wrong sentence in the report.
-    store: Literal["shortlist", "full", "off"] = "full"
+    # (another eval set or metric) is, with shortlist (the default), scored exactly on each item's reference rows
+    # and the rows the store's sketches shortlist (on the 2,000-row SmolLM2 set the same top 50 as a full pass, in
+    # the same order, at about a fifth of its cost: bench/real_models.py smol_mixed --second-question); with full,
+    # by a pass over every row again; off keeps no store.
+    store: Literal["shortlist", "full", "off"] = "shortlist"
     # attribution.query: behaviour: answers sampled per failing item from the fine-tune, and their temperature.
     # 16 at 0.7: the query is a Monte Carlo mean over the behaviour's wordings; 8 answers, or temperature 1's
     # garbled ones, left one planted row of 8-10 at the ranking's edge on some draws (bench/README.md).

@@ -169,7 +169,7 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
         # count and the clusters keep the mean (`resolve_combine`). A projected index's exact re-rank keeps its
         # candidates first, by their max.
         mean_scores = scores
-        scores, strongest = strongest_items(sc.rank_item, sc.spread)
+        scores, strongest = strongest_items(sc.rank_item)
         scores = scores.astype(np.float32)
         cand = ranking.scored.rerank.cand
         order = None if sc.order is None else rerank_order(scores, cand, scores[cand])
@@ -207,8 +207,7 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
             rows = rank_rows(s, order, ranked.totals, scores, None)
         return Explanation(tuple(rows), nobody("a smoke test (no eval set): the ranking shows gradient outliers, not "
                                                "causes"), (), (), None, None, (), scores, ranked.totals)
-    accused = accuse(ranking.scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k,
-                     spread=ranking.scored.scores.spread)
+    accused = accuse(ranking.scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k)
     with s.log.stage("base_scores"):
         rows = rank_rows(s, order, ranked.totals, scores, ranking.scored, accused, ranked.strongest)
     spans, clusters, info, block, margins = (), (), None, None, ()

@@ -1,7 +1,8 @@
 """Which rows are accused, each with its evidence: one statistic decides both how many rows and which.
 
 The statistic. Each failing item's scores are put in robust z units of that item's own rows (`robust_z`: the
-median and 1.4826 x MAD over every row), so items whose bulk scatters widely do not dominate. A row's statistic
+median and 1.4826 x MAD over its reference rows, `scoring.reference_rows`), so items whose bulk scatters widely do
+not dominate. A row's statistic
 is then the strongest evidence any set of items gives against it:
 
     A_row = max over k of (sum of the row's k highest item z-scores) / sqrt(k)
@@ -148,13 +149,11 @@ RULE = ("A row's statistic is its robust z-scores on the failing items it stands
         "{alpha:g} in a tail as heavy as the rows below it.")
 
 
-def accuse(per_item: np.ndarray, items: Sequence[int], *, limit: Optional[int] = None,
-           spread: Optional[np.ndarray] = None) -> Accusation:
+def accuse(per_item: np.ndarray, items: Sequence[int], *, limit: Optional[int] = None) -> Accusation:
     """The accused rows of per-item ranking scores [Q, N] (`Scores.rank_item`: harm-signed, best window or
-    exchange per item) of the failing `items` (their eval positions), at most `limit`. `spread` [Q, N]: the errors
-    of scores read from the per-row store's sketches (`Scores.spread`, 0 where exact), taken out of each item's
-    scale (`scoring.item_z`)."""
-    z = item_z(np.asarray(per_item, dtype=np.float64), spread)
+    exchange per item) of the failing `items` (their eval positions), at most `limit`; each item's z against its
+    reference rows (`scoring.item_z`)."""
+    z = item_z(np.asarray(per_item, dtype=np.float64))
     stat, k = scan(z)
     found = widest_drop(stat)
     count = found.count

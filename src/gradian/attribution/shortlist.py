@@ -6,7 +6,10 @@ a = u / sqrt(w), so <S a, S b> estimates every row's score (`sketched`), with an
 sqrt((|a|^2 + <a, b>^2) / k) for a k-wide CountSketch (its variance, |b| = 1).
 
 The rows that can rank in the top `top_k` are then scored exactly, from one backward each (`exact_rows`), round by
-round (`shortlist`): first the top rows by their sketched ranking score, then every row whose ranking score
+round (`shortlist`): first each item's reference rows (`scoring.reference_rows`: the rows its median and scale
+are measured on, in a full pass too, so both give a row the same z; a scale taken out of sketched scores was off by
+up to 1.8x where the sketch errs by more than the scale) and the top rows by their sketched ranking score, then
+every row whose ranking score
 (combined over the items as the run combines them, `scoring.Combined`) could reach the top-k cut with each item's
 error `SHORTLIST_Z` spreads in its favour, until none is left. The spread is the sketch's variance, checked on the
 rows scored both ways (`ShortlistInfo.calibration`: their errors over it, which scales it, by no less than
@@ -28,10 +31,10 @@ from ..setup.batches import length_order
 from .basis import inverse_norms, scaled_items
 from .one_pass import OnePass, PassState, best_turns, features_of, item_parts
 from .row_pass import exact_batches, norms_of
-from .scoring import Combined, aggregate, rank
+from .scoring import Combined, aggregate, rank, reference_rows
 from .values import Basis, Exchanges, Scored, Scores
 
-SHORTLIST_FIRST = 64  # the first round: this many rows (and twice the top-k) by their sketched ranking score
+SHORTLIST_FIRST = 64  # the first round: this many rows (or the top-k) by their sketched ranking score
 SHORTLIST_Z = 3.0  # a row left out could not reach the cut with every item's error this many spreads in its favour
 SHORTLIST_ROUNDS = 8
 ITEM_TOP = 3  # each item's top rows are scored exactly too (spans and the per-item lists start there)
@@ -49,9 +52,11 @@ class ShortlistInfo:
     top_k: int
     rounds: int
     store: str
+    reference: int  # the rows each item's median and scale are measured on (`scoring.reference_rows`)
 
     def describe(self) -> dict:
-        rule = (f"the rows whose ranking score could reach the top-{self.top_k} cut with each item's sketch error "
+        rule = (f"the {self.reference} rows each item's median and scale are measured on and the rows whose ranking "
+                f"score could reach the top-{self.top_k} cut with each item's sketch error "
                 f"{SHORTLIST_Z:g} spreads in its favour were scored exactly ({self.exact} of {self.rows}, "
                 f"{self.rounds} rounds); the others keep their sketched scores; were the errors normal with the "
                 f"sketch's spread (its errors on the rows scored both ways were {self.calibration:.2f} of it), "
@@ -60,7 +65,8 @@ class ShortlistInfo:
                 "unique_rows": self.rows, "exact_rows": self.exact, "sketch_dim": self.sketch_dim,
                 "shortlist": {"top_k": self.top_k, "cut": self.cut, "margin_spreads": SHORTLIST_Z,
                               "calibration": self.calibration, "rounds": self.rounds,
-                              "expected_missed": self.expected_missed, "rule": rule}}
+                              "expected_missed": self.expected_missed, "reference_rows": self.reference,
+                              "rule": rule}}
 
 
 @dataclass
@@ -147,7 +153,8 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     _, rank_a, _, _ = _scores(mixed, plan, settings)
     comb = Combined(rank_a, _spread(rank_a, amag, mixed.norms[copies], np.zeros(n, bool), K, settings),
                     settings.combine)
-    want = set(copies[rank(comb.score, max(SHORTLIST_FIRST, 2 * k))].tolist())
+    want = set(copies[rank(comb.score, max(SHORTLIST_FIRST, k))].tolist())
+    want |= set(copies[reference_rows(n)].tolist())  # every item's median and scale: exact, as in a full pass
     calib, cut, rounds = 1.0, float("-inf"), 0
     while want - exact and rounds < SHORTLIST_ROUNDS:
         new = sorted(want - exact)
@@ -167,9 +174,9 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     per_item, rank_item, found, scale = _scores(mixed, plan, settings)
     is_exact = np.isin(copies, list(exact))
     missed = float(comb.exceed(cut)[~is_exact].sum()) if np.isfinite(cut) else float((~is_exact).sum())
-    info = ShortlistInfo(len(plan.unique), len(exact), K, calib, cut, missed, k, rounds, str(store.root))
-    spread = calib * _spread(rank_item, amag, mixed.norms[copies], is_exact, K, settings)
-    st = Scored(Scores(per_item, rank_item, aggregate(rank_item), spread=spread),
+    info = ShortlistInfo(len(plan.unique), len(exact), K, calib, cut, missed, k, rounds, str(store.root),
+                         int(reference_rows(n).size))
+    st = Scored(Scores(per_item, rank_item, aggregate(rank_item)),
                 Basis(ps.unit, ps.qnorms, ps.pre, settings.direction, scale), exchanges=Exchanges(found))
     features, agree = _features(store, plan, n)
     return st, OnePass(plan, ps.width, features, agree, str(store.root), 0), info

@@ -32,9 +32,6 @@ class Scores:
     rank_item: np.ndarray  # [Q, N]
     rank_agg: np.ndarray  # [N]
     order: Optional[np.ndarray] = None
-    # [Q, N] the spread of the errors of scores read from a sketch (a later question's rows outside its shortlist,
-    # `attribution.shortlist`; 0 where exact); None: every score exact
-    spread: Optional[np.ndarray] = None
 
     @classmethod
     def of(cls, per_item: np.ndarray) -> "Scores":
