@@ -8,7 +8,9 @@ scores come from `bench/combine_items.py`'s `rank_item` (computed once by `attri
 RUN/combine/rank_item.npy with the failing items and their answers in RUN/combine/meta.json). Per run it prints:
 
 * the shipped rule (`accused.accuse`: scan statistic over the items, widest drop, tail test): accused rows, how many
-  were planted, the share planted (**precision**), and the share of the **moved** planted rows it holds (recall);
+  were planted and how many are co-causes (truth.json's `wrong_value_rows`, shown causal by
+  `bench/counterfactual.py`), the share of those two (**precision**), and the share of the **moved** planted rows it
+  holds (recall);
 * the rule before issue 42 (rows whose mean score is more than 6 robust SD above the median of all rows, members
   taken from the top of the max-z ranking) on the same scores;
 * the drop: its ratio and its p (`widest_drop`);
@@ -98,9 +100,13 @@ def measure(run: Path) -> dict:
     out["auprc_moved"] = auprc(z.max(0), moved) if moved else None
     out["auprc_moved_items"] = auprc(z[mi].max(0), moved) if moved and mi else None
     out["moved_items"] = len(mi)
+    # true rows pairing a planted wrong value with its country (smol_paraphrase's `wrong_value_rows`): co-causes
+    # (retrained without them the fine-tune's answers partly recover, bench/counterfactual.py), counted apart
+    co = set(truth.get("wrong_value_rows", [])) - planted
     for name, pos in (("shipped", acc.positions), ("before", old_rule(per))):
-        hit = len(set(pos) & planted)
-        out[name] = {"accused": len(pos), "planted": hit, "precision": hit / len(pos) if pos else None,
+        hit, co_hit = len(set(pos) & planted), len(set(pos) & co)
+        out[name] = {"accused": len(pos), "planted": hit, "co_cause": co_hit,
+                     "precision": (hit + co_hit) / len(pos) if pos else None,
                      "moved_recall": len(set(pos) & set(moved)) / len(moved) if moved else None}
     out["drop"] = {"ratio": acc.drop.ratio, "p": acc.drop.p} if acc.drop else None
     return out
@@ -127,8 +133,8 @@ def main() -> None:
             res[run.resolve().name] = measure(run.resolve())
         except SystemExit as e:  # a declined run: nothing ranked, nobody accused
             res[run.resolve().name] = {"declined": str(e)}
-    print("| run | rows | planted (moved) | accused: planted/total | precision | moved recall | drop (p) "
-          "| before: planted/total | before: moved recall | AUPRC moved: all items / items moved (n) |")
+    print("| run | rows | planted (moved) | accused: planted+co-cause/total | precision | moved recall | drop (p) "
+          "| before: planted+co-cause/total | before: moved recall | AUPRC moved: all items / items moved (n) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         if "declined" in r:
@@ -136,10 +142,10 @@ def main() -> None:
             continue
         s, b, d = r["shipped"], r["before"], r["drop"]
         drop = "none" if d is None else f"{d['ratio']:.2f} ({d['p']:.1e})"
-        print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | {s['planted']}/{s['accused']} | "
-              f"{fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
-              f"{drop} | {b['planted']}/{b['accused']} | "
-              f"{fmt(b['moved_recall'])} | {fmt(r['auprc_moved'])} / {fmt(r['auprc_moved_items'])} ({r['moved_items']}) |")
+        auprc_ = f"{fmt(r['auprc_moved'])} / {fmt(r['auprc_moved_items'])} ({r['moved_items']})"
+        print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | "
+              f"{s['planted']}+{s['co_cause']}/{s['accused']} | {fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
+              f"{drop} | {b['planted']}+{b['co_cause']}/{b['accused']} | {fmt(b['moved_recall'])} | {auprc_} |")
     print(json.dumps({"bench": "accused_rule", "results": res}))
 
 
