@@ -37,7 +37,7 @@ def _cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def train_plain_trl(run: Path, *, seed: int = 3, epochs: int = 4) -> dict:
+def train_plain_trl(run: Path, *, seed: int = 3) -> dict:
     """TRL's SFTTrainer over run/train.jsonl into run/trl, no callback; returns the run's arguments as the callback
     would record them from the live object (`recorded_args`)."""
     from datasets import load_dataset
@@ -48,7 +48,7 @@ def train_plain_trl(run: Path, *, seed: int = 3, epochs: int = 4) -> dict:
     from gradian.training.trl import recorded_args
 
     base = yaml.safe_load((run / "gradian.yaml").read_text())["model"]["base"]
-    args = SFTConfig(output_dir=str(run / "trl"), num_train_epochs=epochs, per_device_train_batch_size=8,
+    args = SFTConfig(output_dir=str(run / "trl"), num_train_epochs=4, per_device_train_batch_size=8,
                      learning_rate=1e-2, warmup_steps=2, assistant_only_loss=True, max_length=64, seed=seed,
                      save_strategy="epoch", logging_steps=1, report_to=[], disable_tqdm=True, use_cpu=True)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],

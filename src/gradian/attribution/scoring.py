@@ -80,8 +80,9 @@ def robust_z(scores: np.ndarray) -> tuple[np.ndarray, float, float]:
 # (`reference_rows`). Why not every row: a later question reads most rows from the per-row store's sketches, whose
 # errors there exceed the items' own scale (smol_mixed, 2,000 rows: error spread 1.2x the scale), so a scale taken
 # out of sketched scores was off by up to 1.8x and moved 6 of the top 50. A sample the full pass and the shortlist
-# share, scored exactly by both, gives both the same z. 256 rows measure a median and MAD to about 8%; on the
-# bench's 300-row and 2,000-row scenarios the AUPRC moved by at most 0.003 (closing note, 2026-12-06).
+# share, scored exactly by both, gives both the same z. 256 rows measure a median and MAD to about 8%: AUPRC moved
+# by at most 0.003 on the bench's 300-row scenarios, and from 0.574 to 0.551 on the 2,000-row smol_mixed
+# (bench/README.md, "The second question, exact on each item's reference rows").
 REFERENCE_ROWS = 256
 REFERENCE_SEED = 0
 
@@ -106,15 +107,10 @@ def item_z_scales(rank_item: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not len(s):
         return np.zeros((0, s.shape[1])), np.zeros(0)
     ref = reference_rows(s.shape[1])
-    every = ref.size == s.shape[1]
     z, scales = [], []
     for row in s:
-        if every:
-            zz, _, sc = robust_z(row)
-        else:
-            _, med, sc = robust_z(row[ref])
-            zz = (row - med) / sc if sc > 0 else np.zeros_like(row)
-        z.append(zz)
+        _, med, sc = robust_z(row[ref])  # every row up to REFERENCE_ROWS: robust_z(row) to the bit
+        z.append((row - med) / sc if sc > 0 else np.zeros_like(row))
         scales.append(sc if sc > 0 else 1.0)
     return np.stack(z), np.asarray(scales)
 

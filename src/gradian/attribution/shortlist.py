@@ -154,7 +154,8 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     comb = Combined(rank_a, _spread(rank_a, amag, mixed.norms[copies], np.zeros(n, bool), K, settings),
                     settings.combine)
     want = set(copies[rank(comb.score, max(SHORTLIST_FIRST, k))].tolist())
-    want |= set(copies[reference_rows(n)].tolist())  # every item's median and scale: exact, as in a full pass
+    ref = reference_rows(n)
+    want |= set(copies[ref].tolist())  # every item's median and scale: exact, as in a full pass
     calib, cut, rounds = 1.0, float("-inf"), 0
     while want - exact and rounds < SHORTLIST_ROUNDS:
         new = sorted(want - exact)
@@ -175,7 +176,7 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     is_exact = np.isin(copies, list(exact))
     missed = float(comb.exceed(cut)[~is_exact].sum()) if np.isfinite(cut) else float((~is_exact).sum())
     info = ShortlistInfo(len(plan.unique), len(exact), K, calib, cut, missed, k, rounds, str(store.root),
-                         int(reference_rows(n).size))
+                         int(ref.size))
     st = Scored(Scores(per_item, rank_item, aggregate(rank_item)),
                 Basis(ps.unit, ps.qnorms, ps.pre, settings.direction, scale), exchanges=Exchanges(found))
     features, agree = _features(store, plan, n)
