@@ -239,6 +239,7 @@ def second_question(run: Path, sets: list[str], first_cpu: float) -> dict:
             "full_cpu_s": full["cpu_s"], "verdict": a["verdict"], "full_verdict": b["verdict"],
             "top_same_order": ta == tb, "top_same_set": set(ta) == set(tb), "top_k": len(tb),
             "exact_rows": sc.get("exact_rows"), "unique_rows": sc.get("unique_rows"),
+            "stored_exact_rows": sc.get("stored_exact_rows", 0),
             "expected_missed": (sc.get("shortlist") or {}).get("expected_missed"),
             "timings_cpu": a.get("timings_cpu", {})}
 
@@ -372,7 +373,8 @@ def main() -> None:
         q = r.get("second_question")
         if q:
             print(f"\n{name}: second question {q['cpu_s']} CPU s = {q['x_first']:.3f} x the first "
-                  f"(full pass {q['full_cpu_s']} CPU s), {q['exact_rows']} of {q['unique_rows']} rows exact, top "
+                  f"(full pass {q['full_cpu_s']} CPU s), {q['exact_rows']} of {q['unique_rows']} rows exact "
+                  f"({q.get('stored_exact_rows', 0)} of them read from the store's exact rows), top "
                   f"{q['top_k']} {'the same' if q['top_same_order'] else 'NOT the same'} as the full pass "
                   f"(set {'equal' if q['top_same_set'] else 'differs'}), expected missed {q['expected_missed']}, "
                   f"peak RSS {q['peak_rss_mb']:.0f} MB")

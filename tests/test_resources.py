@@ -44,6 +44,36 @@ def test_out_of_memory_kinds_become_a_resource_error():
             raise RuntimeError("shape mismatch")
 
 
+def test_a_full_disk_becomes_a_resource_error_naming_the_file():
+    import errno
+
+    with pytest.raises(ResourceError) as ei:
+        with memory_guard("score"):
+            raise OSError(errno.ENOSPC, "No space left on device", "/cache/rows/rows-1/ref.f32")
+    msg = str(ei.value)
+    assert "disk filled up in the score stage" in msg and "/cache/rows/rows-1/ref.f32" in msg
+    assert "grads.cache_dir" in msg and ei.value.exit_code == 2
+    with pytest.raises(FileNotFoundError):  # other OS errors are not this
+        with memory_guard("score"):
+            raise FileNotFoundError(errno.ENOENT, "No such file", "/x")
+
+
+def test_cli_full_disk_is_exit_2_naming_the_file(tmp_path, zoo, monkeypatch):
+    import errno
+
+    cfg = write_run(tmp_path / "run", zoo.base, zoo.adapter)
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "out" / "index" / "shard.npy"))
+
+    monkeypatch.setattr("gradian.pipeline.measure_capability", full)
+    r = runner.invoke(app, ["attribute", str(cfg)])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "disk filled up in the evaluate stage" in text and "shard.npy" in text and "Traceback" not in text
+    assert not (tmp_path / "run" / "out" / "report.json").exists()
+
+
 @pytest.mark.parametrize("verb, target, stage, setting", [
     ("index", "gradian.pipeline.open_index", "index", "grads.batch_size"),
     ("attribute", "gradian.pipeline.measure_capability", "evaluate", "evaluation.batch_size"),

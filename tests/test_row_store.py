@@ -145,12 +145,14 @@ def test_a_pass_killed_with_sigkill_resumes_to_the_same_bits(demo, tmp_path, bac
     backward_rows.clear()
     want, _ = _pass(s, first, direction, tmp_path / "whole")
     assert _same(got, want)
+    # the reference rows' exact gradients a later question reads: the uninterrupted pass's bytes
+    assert (root / "ref.f32").read_bytes() == (tmp_path / "whole" / "ref.f32").read_bytes()
 
 
 def test_a_later_question_shortlists_by_the_store(demo, tmp_path, backward_rows):
     """Another question on a finished store: its top rows are a full pass's, the shortlist's scores are exact (a
-    full pass's up to the batches they were computed in), fewer rows are differentiated than a full pass does, and
-    the bound on what the shortlist can miss is stated."""
+    full pass's up to the batches they were computed in), the reference rows are scored from the exact gradients the
+    pass kept of them, a few rows are differentiated, and the bound on what the shortlist can miss is stated."""
     from gradian.attribution.one_pass import opened, prepare
     from gradian.attribution.scoring import rank
     from gradian.attribution.shortlist import score_shortlist
@@ -167,7 +169,9 @@ def test_a_later_question_shortlists_by_the_store(demo, tmp_path, backward_rows)
         ps = prepare(grads, later, settings, store, None, memory_bytes=1)
         assert store.sealed and store.question != ps.qkey
         got, _, info = score_shortlist(grads, store, ps, settings, None, 20)
-    assert sum(backward_rows) == info.exact < len(op.plan.unique)
+    # the 256 reference rows are read from the exact gradients the pass kept of them: the rest from a backward each
+    assert info.stored == 256 and (tmp_path / "store" / "ref.f32").exists()
+    assert 0 < sum(backward_rows) == info.exact - info.stored < 64
     top = rank(full.scores.rank_agg, 20)
     assert rank(got.scores.rank_agg, 20).tolist() == top.tolist()
     np.testing.assert_allclose(got.scores.per_item[:, top], full.scores.per_item[:, top], rtol=1e-5, atol=1e-9)
@@ -175,6 +179,43 @@ def test_a_later_question_shortlists_by_the_store(demo, tmp_path, backward_rows)
     assert d["exact_rows"] == info.exact and 0 <= d["shortlist"]["expected_missed"] < 0.05
     # the sketch's errors on the rows scored both ways are its predicted spread (CountSketch variance), give or take
     assert 0.7 < d["shortlist"]["calibration"] < 1.5 and "sketch error" in d["shortlist"]["rule"]
+    # a corrupt reference file is not trusted: its rows are differentiated again, to the same ranking
+    raw = bytearray((root / "ref.f32").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (root / "ref.f32").write_bytes(bytes(raw))
+    backward_rows.clear()
+    with opened(root, "demo", {}) as store:
+        ps = prepare(grads, later, settings, store, None, memory_bytes=1)
+        again, _, info = score_shortlist(grads, store, ps, settings, None, 20)
+    assert info.stored == 0 and sum(backward_rows) == info.exact > 256
+    assert rank(again.scores.rank_agg, 20).tolist() == top.tolist()
+
+
+def test_the_reference_rows_kept_fit_their_disk_budget(demo, tmp_path, backward_rows, monkeypatch):
+    """With room for 40 rows (`one_pass.REF_BYTES`), the store keeps the first 40 reference rows; a later question
+    reads those and differentiates the other 216 with its shortlist, to the same ranking."""
+    from gradian.attribution import one_pass
+    from gradian.attribution.one_pass import opened, prepare
+    from gradian.attribution.scoring import rank
+    from gradian.attribution.shortlist import score_shortlist
+    from gradian.model_side import gradients_of
+
+    s, _, first, later, direction = demo
+    grads = gradients_of(s)
+    settings = _settings(s, direction)
+    with opened(None, "", {}) as tmp:
+        width = prepare(grads, first, settings, tmp, None, memory_bytes=1).width
+    monkeypatch.setattr(one_pass, "REF_BYTES", 40 * 4 * width + 3)
+    root = tmp_path / "store"
+    _pass(s, first, direction, root)
+    assert (root / "ref.f32").stat().st_size == 40 * 4 * width
+    full, _ = _pass(s, later, direction, None)
+    backward_rows.clear()
+    with opened(root, "demo", {}) as store:
+        ps = prepare(grads, later, settings, store, None, memory_bytes=1)
+        got, _, info = score_shortlist(grads, store, ps, settings, None, 20)
+    assert info.stored == 40 and info.reference == 256 and sum(backward_rows) == info.exact - 40 > 216
+    assert rank(got.scores.rank_agg, 20).tolist() == rank(full.scores.rank_agg, 20).tolist()
 
 
 def test_a_corrupt_or_foreign_store_is_not_trusted(demo, tmp_path, backward_rows):
@@ -205,19 +246,26 @@ def test_a_corrupt_or_foreign_store_is_not_trusted(demo, tmp_path, backward_rows
     assert sum(backward_rows) == len(op.plan.held) + len(op.plan.streamed) and _same(clean, again)
 
 
-def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkeypatch):
-    """conversation4 (conversations ranked by exchange: the one pass, every row held) through `gradian attribute`:
-    the first run leaves the store (in the cache the runs share); a rerun reads every score back (the same scores.npy); the same config with
-    another eval set (every other eval item) is scored from the store's shortlist, states its bound, and ranks the
-    same top rows as a full pass over that eval set does (`attribution.store: full`). Each item's median and scale
-    are measured on 40 reference rows (`scoring.REFERENCE_ROWS`, 256 in use: as many as these 100 rows, which the
-    shortlist would then score every one of), exact in both modes."""
+@pytest.mark.parametrize("held", ["every", "sample"])
+def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkeypatch, held):
+    """conversation4 (conversations ranked by exchange, through `gradian attribute`): the first run leaves the store
+    (in the cache the runs share); a rerun reads every score back (the same scores.npy); the same config with another
+    eval set (every other eval item) is asked of the store and ranks the same top rows as a full pass over that eval
+    set does (`attribution.store: full`).
+
+    `every`: each of the 100 rows is held (the default budget), so the store keeps every row's exact gradient and the
+    second question reads them all, without a backward: a full pass's scores to the bit. `sample`: a held budget of
+    64 rows (the rest streamed) and 40 reference rows (`scoring.REFERENCE_ROWS`, 256 in use): the second question
+    scores the reference rows (and their exchanges) from the exact gradients the pass kept of them, shortlists the
+    rest by the store's sketches and scores the shortlist from a backward each."""
     from test_precondition import trained_scenario
 
-    from gradian.attribution import scoring
+    from gradian.attribution import one_pass, row_pass, scoring, shortlist
     from gradian.attribution.scoring import rank
 
-    monkeypatch.setattr(scoring, "REFERENCE_ROWS", 40)
+    if held == "sample":
+        monkeypatch.setattr(scoring, "REFERENCE_ROWS", 40)
+        monkeypatch.setattr(one_pass, "DEFAULT_HELD_BYTES", 1)
     from gradian.config import load_config
     from gradian.pipeline import attribute
 
@@ -227,19 +275,39 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkey
     first = attribute(load_config(cfg_path, ["output=first", cache]))
     store = first["scoring"]["store"]
     assert first["scoring"]["reused_rows"] == 0 and (Path(store) / "manifest.json").exists()
+    assert (Path(store) / "ref.f32").exists() == (held == "sample")
     again = attribute(load_config(cfg_path, ["output=again", cache]))
     assert again["scoring"]["reused_rows"] == first["scoring"]["unique_rows"]
     assert (run / "first" / "scores.npy").read_bytes() == (run / "again" / "scores.npy").read_bytes()
     lines = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval2.jsonl").write_text("\n".join(lines[::2]) + "\n")
     sets = ["data.eval=eval2.jsonl", "attribution.top_k=10", cache]
+    seen: list[int] = []
+    real = row_pass.exact_batches
+
+    def counting(*a, **kw):
+        for got in real(*a, **kw):
+            seen.append(len(got[1]))
+            yield got
+
+    monkeypatch.setattr(row_pass, "exact_batches", counting)
+    monkeypatch.setattr(shortlist, "exact_batches", counting)
     second = attribute(load_config(cfg_path, ["output=second", "attribution.store=shortlist", *sets]))
-    full = attribute(load_config(cfg_path, ["output=full", "attribution.store=full", *sets]))
+    monkeypatch.setattr(row_pass, "exact_batches", real)
+    monkeypatch.setattr(shortlist, "exact_batches", real)
+    # the full pass in a cache of its own: every row differentiated again, nothing read from the first pass's store
+    full = attribute(load_config(cfg_path, ["output=full", "attribution.store=full", *sets, "grads.cache_dir=fresh"]))
+    assert full["scoring"]["reused_rows"] == 0 and full["scoring"]["store"] != store
     assert second["verdict"] == full["verdict"] == "attributed"
     sl = second["scoring"]
     assert sl["mode"].startswith("per-row store") and sl["store"] == store
-    assert 40 < sl["exact_rows"] < sl["unique_rows"] and "sketch error" in sl["shortlist"]["rule"]
     s2, sf = np.load(run / "second" / "scores.npy"), np.load(run / "full" / "scores.npy")
+    if held == "every":
+        assert "every row's exact gradient" in sl["mode"] and sum(seen) == 0
+        assert s2.tobytes() == sf.tobytes()
+        return
+    assert sl["stored_exact_rows"] == sl["shortlist"]["reference_rows"] <= 40 < sl["exact_rows"] < sl["unique_rows"]
+    assert 0 < sum(seen) == sl["exact_rows"] - sl["stored_exact_rows"] and "sketch error" in sl["shortlist"]["rule"]
     # the same top rows with the same scores (a row's z: its exact score against its item's exact reference rows)
     top = rank(sf, 10)
     assert set(rank(s2, 10).tolist()) == set(top.tolist()) and rank(s2, 1).tolist() == rank(sf, 1).tolist()

@@ -1,12 +1,15 @@
-"""Out-of-memory anywhere becomes a `ResourceError` naming the stage and the setting to lower (exit code 2).
+"""Out-of-memory or a full disk anywhere becomes a `ResourceError` naming the stage and the setting to lower or the
+file it could not write (exit code 2).
 
 `memory_guard(stage)` wraps one stage of a verb: a CPU `MemoryError`, a CUDA out-of-memory error, or torch's CPU
 allocator failing ("DefaultCPUAllocator: can't allocate memory", a RuntimeError) turns into one paragraph. The
-traceback, with whatever the stage had allocated, is dropped with it.
+traceback, with whatever the stage had allocated, is dropped with it. So does a disk that fills up (ENOSPC, EDQUOT)
+while a stage writes its cache (the index, the per-row store: a later run resumes from what was checked in).
 """
 
 from __future__ import annotations
 
+import errno
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -48,14 +51,30 @@ def out_of_memory_error(stage: str, e: BaseException) -> ResourceError:
         fix=f"lower {SETTINGS.get(stage, 'grads.batch_size')}")
 
 
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_error(stage: str, e: OSError) -> ResourceError:
+    where = f"writing {e.filename}" if e.filename else "writing its files"
+    return ResourceError(
+        f"the disk filled up in the {stage} stage ({where}: {e.strerror}); free space there, or point "
+        "grads.cache_dir at a larger disk (the index and the per-row store live there; attribution.store: off keeps "
+        "no per-row store), and run again: what was written and checked is reused.",
+        fix="free disk space under grads.cache_dir or point it at a larger disk")
+
+
 @contextmanager
 def memory_guard(stage: str) -> Iterator[None]:
     try:
         yield
-    except (MemoryError, RuntimeError) as e:
-        if not is_out_of_memory(e):
+    except (MemoryError, RuntimeError, OSError) as e:
+        if is_disk_full(e):
+            err = disk_full_error(stage, e)
+        elif isinstance(e, OSError) or not is_out_of_memory(e):
             raise
-        err = out_of_memory_error(stage, e)
+        else:
+            err = out_of_memory_error(stage, e)
         e.__traceback__ = None  # its frames hold what the stage allocated
     else:
         return

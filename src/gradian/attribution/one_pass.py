@@ -22,7 +22,10 @@ add up to). A held conversation's exchanges are held too, and count against `mem
 
 The store: every part is written as its batches finish, so a pass killed at any point resumes from the parts and
 held batches the store names, recomputing the same batches (the same bits); a rerun of the same question reads
-every score back; a later question on a finished store is `attribution.shortlist`'s. Without a kept store (a
+every score back; a later question on a finished store is `attribution.shortlist`'s. A kept store keeps exact
+gradients for that later question: the held file when it holds every row (the later question is then this pass
+again, from disk), else the reference rows' (`scoring.reference_rows`, the ref file: written as the streamed
+batches compute them, and copied from the held file before it goes). Without a kept store (a
 preconditioner that reads its rows at every use, torchrun) the pass writes the same files to a temporary one.
 Memory is one batch, one chunk of held rows and the [Q, D] unit queries: it does not grow with rows.
 """
@@ -45,13 +48,17 @@ from ..store.rows import FileRows, RowSource
 from ..store.rowstore import RowStore
 from .basis import fit_preconditioner, inverse_norms, preconditioned_units, scaled_items
 from .precondition import restore
-from .row_pass import HeldLayout, Reducer, held_part, n_turns, streamed_parts, write_held
-from .scoring import aggregate, item_scores
+from .row_pass import HeldLayout, Reducer, RefRows, held_part, n_turns, streamed_parts, write_held
+from .scoring import aggregate, item_scores, reference_rows
 from .values import Basis, Exchanges, Scored, Scores
 
 # The default budget of the held rows (the preconditioner's sample, on disk): the size `grads.projection_dim: auto`
 # allows an exact index on disk.
 DEFAULT_HELD_BYTES = 2 << 30
+# The disk a kept store gives the reference rows' exact gradients (`reference_of`): 256 rows of SmolLM2-135M at rank 8
+# on every projection (2.4M dims) are 2.5 GB. Beyond it, the first reference rows that fit are kept and a later
+# question differentiates the others (an 8B model's 42M dims: 25 rows).
+REF_BYTES = 4 << 30
 HELD_MIN_ROWS = 64  # never fit a preconditioner on fewer rows than this when the rows exist
 
 
@@ -180,11 +187,12 @@ class PassState:
 
 
 def prepare(grads, qitems, settings, store: RowStore, turns: Optional[Sequence], *,
-            memory_bytes: int = DEFAULT_HELD_BYTES, sketch_dim: Optional[int] = None) -> PassState:
+            memory_bytes: Optional[int] = None, sketch_dim: Optional[int] = None) -> PassState:
     """The plan, the exact query gradients, the preconditioner (the store's when it has one, its bits; else fitted
     on the held rows, computed into the store's held file), the unit queries."""
     widths = exact_widths(grads.sites)
     width = int(sum(widths))
+    memory_bytes = DEFAULT_HELD_BYTES if memory_bytes is None else memory_bytes
     plan = plan_pass(grads.toks, width, memory_bytes, settings.seed,
                      None if turns is None else [n_turns(t) for t in turns])
     layout = HeldLayout.of(plan.held_positions, turns)
@@ -216,11 +224,31 @@ def run_pass(grads, store: RowStore, ps: PassState, settings, turns: Optional[Se
         agree = gradient_agreement(c for _, _, c in held.subset(range(len(plan.held))).chunks())
         part["agreement"] = np.asarray(agree if agree is not None else (np.nan, 0), dtype=np.float64)
         store.put_part("h", part)
-    streamed_parts(grads, store, ps.reducer, plan.streamed, turns)
+    ref = reference_of(plan, turns, ps.width) if keep and not plan.all_held else None
+    ref = ref if ref is not None and ref.layout.positions else None
+    if ref is not None:
+        store.exact_file("ref", ref.layout.slots, ps.width)
+    streamed_parts(grads, store, ps.reducer, plan.streamed, turns, ref)
     st, features, agree = assemble(store, plan, ps.unit, ps.qnorms, ps.pre, settings, len(grads.toks), keep)
     if not store.sealed:
+        if ref is not None and not ref.complete(store):  # the held reference rows, copied before the held file goes
+            held = ps.held or _held(grads, store, plan, ps.layout, turns, ps.width)
+            ref.copy_held(store, held, ps.layout, grads.batch_size)
         store.seal(keep_held=plan.all_held and keep)
     return st, OnePass(plan, ps.width, features, agree, str(store.root) if keep else None, reused)
+
+
+def reference_of(plan: PassPlan, turns: Optional[Sequence], width: int) -> RefRows:
+    """The distinct rows of `scoring.reference_rows` (a copy's gradient is its first position's) whose exact
+    gradients, with their exchanges', a kept store holds when it does not hold every row: in position order, as many
+    as fit `REF_BYTES`."""
+    rows, used = [], 0
+    for p in sorted({plan.copies[int(i)] for i in reference_rows(len(plan.copies))}):
+        used += 4 * width * (1 + n_turns(None if turns is None else turns[p]))
+        if used > REF_BYTES:
+            break
+        rows.append(p)
+    return RefRows.of(rows, turns)
 
 
 def pass_turns(turns: Optional[Sequence], settings) -> Optional[Sequence]:
@@ -231,7 +259,7 @@ def pass_turns(turns: Optional[Sequence], settings) -> Optional[Sequence]:
     return turns
 
 
-def score_one_pass(grads, qitems, settings, *, memory_bytes: int = DEFAULT_HELD_BYTES,
+def score_one_pass(grads, qitems, settings, *, memory_bytes: Optional[int] = None,
                    sketch_dim: Optional[int] = None, turns: Optional[Sequence] = None,
                    store_root: Optional[Path] = None, store_key: str = "") -> tuple[Scored, OnePass]:
     """Per-item exact scores [Q, N] of every row (`Scored`, in the exact layout: `unit` is [Q, D_exact]) from the

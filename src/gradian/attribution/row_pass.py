@@ -232,15 +232,73 @@ def held_part(reducer: Reducer, rows: FileRows, layout: HeldLayout, batch: int) 
     return out
 
 
-def streamed_parts(grads, store, reducer: Reducer, streamed: Sequence[int], turns: Optional[Sequence]) -> None:
+@dataclass(frozen=True)
+class RefRows:
+    """The reference rows' exact gradients (`scoring.reference_rows`: what each item's median and scale are measured
+    on) in the store's ref file, laid out as the held file (`HeldLayout`): written as the pass computes them, so a
+    later question scores them without a backward (`attribution.shortlist`)."""
+
+    layout: HeldLayout
+
+    @classmethod
+    def of(cls, positions: Sequence[int], turns: Optional[Sequence]) -> "RefRows":
+        return cls(HeldLayout.of(sorted(set(int(p) for p in positions)), turns))
+
+    @property
+    def _set(self) -> frozenset:
+        return frozenset(self.layout.positions)
+
+    def complete(self, store) -> bool:
+        return store.exact_slots("ref") >= set(range(self.layout.slots))
+
+    def put(self, store, name: str, part: Sequence[int], v: np.ndarray, t: Optional[Turns]) -> None:
+        """Batch `name`'s reference rows (rows `part`, gradients `v`, exchanges `t`) into the ref file."""
+        mine = self._set
+        keep = [i for i, p in enumerate(part) if p in mine]
+        if not keep or name in store.exact_done("ref"):
+            return
+        rows = [part[i] for i in keep]
+        vecs = [np.asarray(v)[keep]]
+        sel = None
+        if t is not None:
+            ms = [m for m, o in enumerate(t.owner) if o in mine]
+            sel = Turns(tuple(t.owner[m] for m in ms), tuple(t.turn[m] for m in ms), None)
+            if ms:
+                vecs.append(np.asarray(t.vecs)[ms])
+        store.put_exact("ref", name, self.layout.slots_of(rows, sel if sel is not None and sel.owner else None),
+                        np.concatenate(vecs) if len(vecs) > 1 else vecs[0])
+
+    def copy_held(self, store, held: FileRows, held_layout: HeldLayout, chunk: int) -> None:
+        """The held reference rows (and their exchanges), from the held file, `chunk` rows at a time."""
+        both = [p for p in self.layout.positions if p in set(held_layout.positions)]
+        at: dict = {}
+        for m, o in enumerate(held_layout.owner):
+            at.setdefault(o, []).append(m)
+        for a in range(0, len(both), max(chunk, 1)):
+            rows = both[a: a + chunk]
+            name = f"h{a}"
+            if name in store.exact_done("ref"):
+                continue
+            ms = [m for p in rows for m in at.get(p, [])]
+            t = Turns(tuple(held_layout.owner[m] for m in ms), tuple(held_layout.turn[m] for m in ms), None)
+            src = held_layout.slots_of(rows, t if ms else None)
+            store.put_exact("ref", name, self.layout.slots_of(rows, t if ms else None),
+                            held.subset(src).read32(0, len(src)))
+
+
+def streamed_parts(grads, store, reducer: Reducer, streamed: Sequence[int], turns: Optional[Sequence],
+                   ref: Optional[RefRows] = None) -> None:
     """The streamed rows reduced batch by batch into parts of `PART_BATCHES` batches (a part the store holds is
-    not computed again); no gradient is kept past its batch."""
+    not computed again); no gradient is kept past its batch, but the reference rows' (`ref`), written to the
+    store's ref file."""
     done = store.done()
     n_batches = -(-len(streamed) // grads.batch_size)
     groups = [list(range(g, min(n_batches, g + PART_BATCHES))) for g in range(0, n_batches, PART_BATCHES)]
     skip = frozenset(j for g in groups if f"s{g[0]}" in done for j in g)
     got: dict = {}
     for j, part, v, t in exact_batches(grads, streamed, "gradients (scored)", turns, skip=skip):
+        if ref is not None:
+            ref.put(store, f"s{j}", part, v, t)
         got[j] = reducer.rows(part, v), (reducer.exchanges(t) if t is not None else None)
         if not current().active:
             got = _flush(store, got, groups, done)

@@ -5,10 +5,11 @@ of the preconditioner's inverse). A unit preconditioned query u scores that row 
 a = u / sqrt(w), so <S a, S b> estimates every row's score (`sketched`), with an error of spread
 sqrt((|a|^2 + <a, b>^2) / k) for a k-wide CountSketch (its variance, |b| = 1).
 
-The rows that can rank in the top `top_k` are then scored exactly, from one backward each (`exact_rows`), round by
-round (`shortlist`): first each item's reference rows (`scoring.reference_rows`: the rows its median and scale
-are measured on, in a full pass too, so both give a row the same z; a scale taken out of sketched scores was off by
-up to 1.8x where the sketch errs by more than the scale) and the top rows by their sketched ranking score, then
+The rows that can rank in the top `top_k` are then scored exactly, round by round (`shortlist`): first each item's
+reference rows (`scoring.reference_rows`: the rows its median and scale are measured on, in a full pass too, so
+both give a row the same z; a scale taken out of sketched scores was off by up to 1.8x where the sketch errs by more
+than the scale), from the exact gradients the first pass kept of them (`stored_rows`, the store's ref file: no
+backward), and the top rows by their sketched ranking score, from one backward each (`exact_rows`), then
 every row whose ranking score
 (combined over the items as the run combines them, `scoring.Combined`) could reach the top-k cut with each item's
 error `SHORTLIST_Z` spreads in its favour, until none is left. The spread is the sketch's variance, checked on the
@@ -28,9 +29,10 @@ import numpy as np
 
 from ..distributed import current, gather_by_index
 from ..setup.batches import length_order
+from ..store.rows import FileRows
 from .basis import inverse_norms, scaled_items
-from .one_pass import OnePass, PassState, best_turns, features_of, item_parts
-from .row_pass import exact_batches, norms_of
+from .one_pass import OnePass, PassState, best_turns, features_of, item_parts, reference_of
+from .row_pass import RefRows, exact_batches, norms_of
 from .scoring import Combined, aggregate, rank, reference_rows
 from .values import Basis, Exchanges, Scored, Scores
 
@@ -52,17 +54,21 @@ class ShortlistInfo:
     top_k: int
     rounds: int
     store: str
-    reference: int  # the rows each item's median and scale are measured on (`scoring.reference_rows`)
+    reference: int  # the distinct rows each item's median and scale are measured on (`scoring.reference_rows`)
+    stored: int = 0  # rows scored from the exact gradients the store keeps (the reference rows), no backward
 
     def describe(self) -> dict:
+        kept = (f"; {self.stored} from the exact gradients the store keeps of them, the others from one backward "
+                f"each") if self.stored else ""
         rule = (f"the {self.reference} rows each item's median and scale are measured on and the rows whose ranking "
                 f"score could reach the top-{self.top_k} cut with each item's sketch error "
                 f"{SHORTLIST_Z:g} spreads in its favour were scored exactly ({self.exact} of {self.rows}, "
-                f"{self.rounds} rounds); the others keep their sketched scores; were the errors normal with the "
+                f"{self.rounds} rounds{kept}); the others keep their sketched scores; were the errors normal with the "
                 f"sketch's spread (its errors on the rows scored both ways were {self.calibration:.2f} of it), "
                 f"{self.expected_missed:.2g} of the rows left out would belong in the top {self.top_k}")
         return {"mode": "per-row store of an earlier pass: shortlist scored exactly", "store": self.store,
-                "unique_rows": self.rows, "exact_rows": self.exact, "sketch_dim": self.sketch_dim,
+                "unique_rows": self.rows, "exact_rows": self.exact, "stored_exact_rows": self.stored,
+                "sketch_dim": self.sketch_dim,
                 "shortlist": {"top_k": self.top_k, "cut": self.cut, "margin_spreads": SHORTLIST_Z,
                               "calibration": self.calibration, "rounds": self.rounds,
                               "expected_missed": self.expected_missed, "reference_rows": self.reference,
@@ -115,6 +121,24 @@ def exact_rows(grads, ps: PassState, positions: Sequence[int], turns: Optional[S
     return out
 
 
+def stored_rows(store, ps: PassState, ref: RefRows) -> Rows:
+    """The reference rows scored exactly from the exact gradients the store keeps of them (the ref file): no
+    backward; their exchanges alike."""
+    shape = store.m["ref"]["shape"]
+    rows = FileRows(store.exact_path("ref"), shape[1], n_file=shape[0])
+    lay = ref.layout
+    H = len(lay.positions)
+    held = rows.subset(range(H))
+    n = len(ps.plan.copies)
+    out = Rows(np.zeros((ps.unit.shape[0], n), dtype=np.float32), np.zeros(n), {})
+    pos = list(lay.positions)
+    out.inner[:, pos], out.norms[pos] = held.inner(ps.unit), held.row_norms(ps.reducer.weights)
+    if lay.owner:
+        ex = rows.subset(range(H, lay.slots))
+        out.parts.update(item_parts(ex.inner(ps.unit), ex.row_norms(ps.reducer.weights), lay.owner))
+    return out
+
+
 def _scores(rows: Rows, plan, settings) -> tuple[np.ndarray, np.ndarray, dict, Optional[np.ndarray]]:
     copies = list(plan.copies)
     inner, norms = rows.inner[:, copies], rows.norms[copies]
@@ -154,12 +178,20 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     comb = Combined(rank_a, _spread(rank_a, amag, mixed.norms[copies], np.zeros(n, bool), K, settings),
                     settings.combine)
     want = set(copies[rank(comb.score, max(SHORTLIST_FIRST, k))].tolist())
-    ref = reference_rows(n)
-    want |= set(copies[ref].tolist())  # every item's median and scale: exact, as in a full pass
+    reference = set(copies[reference_rows(n)].tolist())
+    want |= reference  # every item's median and scale: exact, as in a full pass
+    ref = reference_of(plan, turns, ps.width)  # those the pass kept the exact gradients of
+    stored = 0
+    if store.exact_path("ref") is not None and ref.layout.positions and ref.complete(store):
+        got = stored_rows(store, ps, ref)
+        _merge(mixed, got, ref.layout.positions)
+        exact |= set(ref.layout.positions)
+        stored = len(ref.layout.positions)
     calib, cut, rounds = 1.0, float("-inf"), 0
-    while want - exact and rounds < SHORTLIST_ROUNDS:
+    while (want - exact or rounds == 0) and rounds < SHORTLIST_ROUNDS:
         new = sorted(want - exact)
-        _merge(mixed, exact_rows(grads, ps, new, turns), new)
+        if new:
+            _merge(mixed, exact_rows(grads, ps, new, turns), new)
         exact |= set(new)
         rounds += 1
         is_exact = np.isin(copies, list(exact))
@@ -176,7 +208,7 @@ def score_shortlist(grads, store, ps: PassState, settings, turns: Optional[Seque
     is_exact = np.isin(copies, list(exact))
     missed = float(comb.exceed(cut)[~is_exact].sum()) if np.isfinite(cut) else float((~is_exact).sum())
     info = ShortlistInfo(len(plan.unique), len(exact), K, calib, cut, missed, k, rounds, str(store.root),
-                         int(ref.size))
+                         len(reference), stored)
     st = Scored(Scores(per_item, rank_item, aggregate(rank_item)),
                 Basis(ps.unit, ps.qnorms, ps.pre, settings.direction, scale), exchanges=Exchanges(found))
     features, agree = _features(store, plan, n)

@@ -33,14 +33,14 @@ from . import windows as win
 from .directions import BackProjected, HarmDirections
 from .engine import ModelGradients, ScoringSettings, block_dims_of, scaled_contributions
 from .indexed import score_index
-from .one_pass import DEFAULT_HELD_BYTES, opened, pass_turns, prepare, run_pass
+from .one_pass import DEFAULT_HELD_BYTES, REF_BYTES, opened, pass_turns, prepare, run_pass
 from .precondition import preconditioner_class
 from .row_pass import STORE_SKETCH_DIM
 from .shortlist import score_shortlist
 from .states import AdapterStates, StateModels
 from .values import Scored
 
-STORE_VERSION = 1  # bump when what a per-row store holds changes: older stores become foreign
+STORE_VERSION = 2  # bump when what a per-row store holds changes: older stores become foreign
 
 
 @dataclass(frozen=True)
@@ -172,12 +172,18 @@ def _one_pass(grads: ModelGradients, qitems, settings: ScoringSettings, turns) -
     root, key = store_of(grads, settings, turns)
     with opened(root, key, {"rows": len(grads.toks)}) as store:
         ps = prepare(grads, qitems, settings, store, turns)
-        if root is not None and store.sealed and store.question != ps.qkey and settings.store == "shortlist":
+        # every row held: the store keeps every row's exact gradient, and a pass reads them all (no backward)
+        every = ps.plan.all_held and store.held_file is not None
+        if root is not None and store.sealed and store.question != ps.qkey and settings.store == "shortlist" \
+                and not every:
             st, op, info = score_shortlist(grads, store, ps, settings, turns, settings.top_k)
             method, summary = "stored_rows", {**op.describe(), **info.describe()}
         else:
+            later = root is not None and store.sealed and store.question != ps.qkey and every
             st, op = run_pass(grads, store, ps, settings, turns, root is not None)
             method, summary = "one_pass", op.describe()
+            if later:  # a later question, every row read from the kept held file: exact, no backward
+                summary["mode"] = "per-row store of an earlier pass: every row's exact gradient, scored exactly"
             if root is not None:
                 summary.update(store=str(root), reused_rows=op.reused)
     if settings.windows:
@@ -197,6 +203,7 @@ def store_of(grads: ModelGradients, settings: ScoringSettings, turns) -> tuple[O
     spec = {"v": STORE_VERSION, "state": state,
             "preconditioner": settings.preconditioner, "damping": settings.damping, "unit_rows": settings.unit_rows,
             "exchanges": turns is not None, "seed": settings.seed, "held_bytes": DEFAULT_HELD_BYTES,
+            "ref_bytes": REF_BYTES,
             "sketches": [SKETCH_DIM, STORE_SKETCH_DIM], "batch_size": grads.batch_size, "chunk": grads.chunk}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
     return (Path(where) / f"rows-{key}" if keep else None), key

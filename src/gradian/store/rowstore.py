@@ -9,7 +9,10 @@ Layout of ``root/`` (one adapter state, one dataset, one set of scoring settings
     precond.npz       the fitted preconditioner's state (`RowPreconditioner.state`)
     held.f32          the held rows' exact gradients (float32, rows in position order): what the preconditioner is
                       fitted on, written batch by batch; removed when the pass is sealed (kept when it holds every
-                      row: clusters then group on the exact rows)
+                      row: clusters then group on the exact rows, and a later question reads every row from it)
+    ref.f32           when not every row is held: the exact gradients of the rows each item's median and scale are
+                      measured on (`attribution.scoring.reference_rows`, their exchanges after them), written as the
+                      pass computes them: a later question scores them from here, without a backward
     part-00000.npz    per group of rows: their positions, norms in the preconditioner's metric, a sketch of each unit
                       row in that metric (what a later question shortlists by), a unit CountSketch of each row (what
                       clusters group on) and the question's inner products; a conversation's exchanges alike
@@ -45,11 +48,13 @@ SCHEMA = "gradian.rowstore/1"
 MANIFEST = "manifest.json"
 PRECOND = "precond.npz"
 HELD = "held.f32"
+REF = "ref.f32"
+FILES = {"held": HELD, "ref": REF}  # the files of exact rows, by the manifest entry that names their batches
 TMP_PREFIX = ".tmp-"
 
 
 def _fresh(key: str, meta: dict) -> dict:
-    return {"schema": SCHEMA, "key": key, "meta": meta, "precond": None, "question": None, "held": {},
+    return {"schema": SCHEMA, "key": key, "meta": meta, "precond": None, "question": None, "held": {}, "ref": {},
             "parts": [], "sealed": False}
 
 
@@ -97,19 +102,11 @@ class RowStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --------------------------------------------------------------------------------------- the held rows
+    # ----------------------------------------------------------------------- the held and reference rows
 
     def held_rows(self, n: int, width: int) -> FileRows:
         """The held rows' file, [n, width] float32 (created, or kept when it has that shape)."""
-        path = self.root / HELD
-        size = 4 * int(n) * int(width)
-        h = self.m["held"]
-        if not path.exists() or path.stat().st_size != size or h.get("shape") != [int(n), int(width)]:
-            with open(path, "wb") as f:
-                f.truncate(size)
-            self.m["held"] = {"shape": [int(n), int(width)], "batches": {}}
-            self._write_manifest()
-        return FileRows(path, width, n_file=n)
+        return self.exact_file("held", n, width)
 
     def held_done(self) -> set[int]:
         return {int(j) for j in self.m["held"].get("batches", {})}
@@ -117,16 +114,42 @@ class RowStore:
     def put_held(self, j: int, slots: Sequence[int], rows: np.ndarray) -> None:
         """Rows of held batch `j` into their slots of the held file, then the manifest names the batch with the sha256
         of its rows (in batch order)."""
+        self.put_exact("held", str(int(j)), slots, rows)
+
+    def exact_file(self, kind: str, n: int, width: int) -> FileRows:
+        """The file of exact rows `kind` ("held" or "ref"), [n, width] float32 (created, or kept when it has that
+        shape)."""
+        path = self.root / FILES[kind]
+        size = 4 * int(n) * int(width)
+        h = self.m[kind]
+        if not path.exists() or path.stat().st_size != size or h.get("shape") != [int(n), int(width)]:
+            with open(path, "wb") as f:
+                f.truncate(size)
+            self.m[kind] = {"shape": [int(n), int(width)], "batches": {}}
+            self._write_manifest()
+        return FileRows(path, width, n_file=n)
+
+    def exact_done(self, kind: str) -> set[str]:
+        """The names of the batches written into the file of exact rows `kind`."""
+        return set(self.m[kind].get("batches", {}))
+
+    def exact_slots(self, kind: str) -> set[int]:
+        """The slots of the file of exact rows `kind` that hold a checked row."""
+        return {int(s) for b in self.m[kind].get("batches", {}).values() for s in b["slots"]}
+
+    def put_exact(self, kind: str, name: str, slots: Sequence[int], rows: np.ndarray) -> None:
+        """`rows` into their slots of the file of exact rows `kind`, then the manifest names the batch `name` with
+        the sha256 of its rows (in the order given)."""
         rows = np.ascontiguousarray(rows, dtype="<f4")
         width = rows.shape[1]
-        fd = os.open(self.root / HELD, os.O_WRONLY)
+        fd = os.open(self.root / FILES[kind], os.O_WRONLY)
         try:
             for s, r in zip(slots, rows):
                 os.pwrite(fd, r.tobytes(), int(s) * 4 * width)
         finally:
             os.close(fd)
-        self.m["held"]["batches"][str(int(j))] = {"slots": [int(s) for s in slots],
-                                                   "sha256": hashlib.sha256(rows.tobytes()).hexdigest()}
+        self.m[kind]["batches"][name] = {"slots": [int(s) for s in slots],
+                                         "sha256": hashlib.sha256(rows.tobytes()).hexdigest()}
         self._write_manifest()
 
     def drop_held(self) -> None:
@@ -191,8 +214,11 @@ class RowStore:
 
     @property
     def held_file(self) -> Optional[Path]:
-        p = self.root / HELD
-        return p if p.exists() and self.m["held"] else None
+        return self.exact_path("held")
+
+    def exact_path(self, kind: str) -> Optional[Path]:
+        p = self.root / FILES[kind]
+        return p if p.exists() and self.m[kind] else None
 
 
 def _npz(arrays: dict) -> bytes:
@@ -225,7 +251,7 @@ def _checked(root: Path, key: str, meta: dict) -> dict:
         m = _fresh(key, meta)
     else:
         m = _verified(root, m)
-    names = {MANIFEST, LOCK_FILE, PRECOND, HELD} | {p["file"] for p in m["parts"]}
+    names = {MANIFEST, LOCK_FILE, PRECOND, HELD, REF} | {p["file"] for p in m["parts"]}
     for p in root.iterdir():
         if p.is_file() and p.name not in names:
             p.unlink(missing_ok=True)
@@ -257,22 +283,27 @@ def _verified(root: Path, m: dict) -> dict:
             log.warning("per-row store %s: %s is missing or corrupt; its rows will be recomputed", root, p["file"])
             m["sealed"] = False
     m["parts"] = parts
-    held = m.get("held") or {}
+    for kind in FILES:
+        m[kind] = _verified_rows(root, kind, m.get(kind) or {})
+    return m
+
+
+def _verified_rows(root: Path, kind: str, held: dict) -> dict:
+    """The manifest entry of a file of exact rows without the batches whose rows do not match their sha256."""
     if held.get("batches"):
         width = held["shape"][1]
         try:
-            rows = FileRows(root / HELD, width, n_file=held["shape"][0])
+            rows = FileRows(root / FILES[kind], width, n_file=held["shape"][0])
             ok = {j: b for j, b in held["batches"].items()
                   if hashlib.sha256(np.ascontiguousarray(rows.subset(b["slots"]).read32(0, len(b["slots"])),
                                                          dtype="<f4").tobytes()).hexdigest() == b["sha256"]}
         except OSError:
             ok = {}
         if len(ok) != len(held["batches"]):
-            log.warning("per-row store %s: %d held batches do not match their checksums; they will be recomputed",
-                        root, len(held["batches"]) - len(ok))
+            log.warning("per-row store %s: %d batches of %s do not match their checksums; they will be recomputed",
+                        root, len(held["batches"]) - len(ok), FILES[kind])
         held["batches"] = ok
-    m["held"] = held
-    return m
+    return held
 
 
 def _matches(path: Path, sha: str) -> bool:
