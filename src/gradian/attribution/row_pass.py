@@ -85,7 +85,8 @@ def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[S
 
 def norms_of(v: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
     """float64 [n]: each row's norm in the metric `weights` (None: Euclidean)."""
-    sq = np.square(np.asarray(v, dtype=np.float64))
+    sq = np.asarray(v).astype(np.float64)  # a copy, squared in place: one [n, D] float64 array, not two
+    np.square(sq, out=sq)
     return np.sqrt((sq @ weights) if weights is not None else sq.sum(1))
 
 
