@@ -16,7 +16,8 @@ RUN/combine/rank_item.npy with the failing items and their answers in RUN/combin
 * the drop: its ratio and its p (`widest_drop`);
 * the AUPRC of the moved planted rows under the max-z ranking over every failing item, and over the failing items
   a planted row moved (where the other failing items have causes of their own, e.g. a garbled answer whose form
-  true rows of the task taught, the first mixes their rows in).
+  true rows of the task taught, the first mixes their rows in); where the scenario names co-causes, also the AUPRC
+  with them counted as causes.
 
 A planted row **moved** an item when it is mapped to a failing item by truth.json's `item_planted` and, where
 truth.json names the planted wrong value (`planted_facts[].wrong`) and the failing answers are known, that answer
@@ -103,6 +104,8 @@ def measure(run: Path) -> dict:
     # true rows pairing a planted wrong value with its country (smol_paraphrase's `wrong_value_rows`): co-causes
     # (retrained without them the fine-tune's answers partly recover, bench/counterfactual.py), counted apart
     co = set(truth.get("wrong_value_rows", [])) - planted
+    # the same ranking with the co-causes counted as causes too (they are, by bench/counterfactual.py)
+    out["auprc_causes"] = auprc(z.max(0), sorted(set(moved) | co)) if moved and co else None
     for name, pos in (("shipped", acc.positions), ("before", old_rule(per))):
         hit, co_hit = len(set(pos) & planted), len(set(pos) & co)
         out[name] = {"accused": len(pos), "planted": hit, "co_cause": co_hit,
@@ -143,6 +146,8 @@ def main() -> None:
         s, b, d = r["shipped"], r["before"], r["drop"]
         drop = "none" if d is None else f"{d['ratio']:.2f} ({d['p']:.1e})"
         auprc_ = f"{fmt(r['auprc_moved'])} / {fmt(r['auprc_moved_items'])} ({r['moved_items']})"
+        if r.get("auprc_causes") is not None:
+            auprc_ += f"; with the co-causes {fmt(r['auprc_causes'])}"
         print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | "
               f"{s['planted']}+{s['co_cause']}/{s['accused']} | {fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
               f"{drop} | {b['planted']}+{b['co_cause']}/{b['accused']} | {fmt(b['moved_recall'])} | {auprc_} |")
