@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/accused_rule.py RUN [RUN ...]     # a run of bench/real_models.py or bench/fidelity.py
     .venv/bin/python bench/accused_rule.py --smoke           # the tiny scenario of bench/_smoke.py (seconds)
+    .venv/bin/python bench/accused_rule.py --reference-sweep RUN   # also: AUPRC by reference rows and their seed
 
 Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The per-item ranking
 scores come from `bench/combine_items.py`'s `rank_item` (computed once by `attribute`'s own stages, then read from
@@ -115,6 +116,30 @@ def measure(run: Path) -> dict:
     return out
 
 
+def reference_sweep(run: Path, sizes=(128, 256, 512, 1024), seeds=(0, 1, 2, 3, 4)) -> dict:
+    """AUPRC of the moved planted rows when each item's median and scale come from `sizes` reference rows drawn with
+    each of `seeds` (`scoring.REFERENCE_ROWS`, `REFERENCE_SEED`), and from every row: how much of an AUPRC change
+    is the reference sample's draw."""
+    from gradian.attribution import scoring
+
+    per, _ = rank_item(run)
+    per = per.astype(np.float64)
+    meta = json.loads((run / "combine" / "meta.json").read_text())
+    moved = moved_rows(json.loads((run / "truth.json").read_text()), meta)
+    keep = scoring.REFERENCE_ROWS, scoring.REFERENCE_SEED
+    out = {}
+    try:
+        for size in [*sizes, per.shape[1]]:
+            got = []
+            for seed in seeds:
+                scoring.REFERENCE_ROWS, scoring.REFERENCE_SEED = size, seed
+                got.append(round(scoring.auprc(scoring.item_z(per).max(0), moved), 3) if moved else None)
+            out["every row" if size >= per.shape[1] else str(size)] = got
+    finally:
+        scoring.REFERENCE_ROWS, scoring.REFERENCE_SEED = keep
+    return out
+
+
 def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -123,6 +148,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", type=Path)
     ap.add_argument("--smoke", action="store_true", help="on the tiny scenario of bench/_smoke.py: checks the script")
+    ap.add_argument("--reference-sweep", action="store_true",
+                    help="per RUN, the AUPRC with each item's median and scale from 128-1,024 reference rows drawn with "
+                         "seeds 0-4, and from every row")
     args = ap.parse_args()
     if args.smoke:
         from _smoke import tiny_run
@@ -134,6 +162,8 @@ def main() -> None:
     for run in args.runs:
         try:
             res[run.resolve().name] = measure(run.resolve())
+            if args.reference_sweep or args.smoke:
+                res[run.resolve().name]["reference_sweep"] = reference_sweep(run.resolve())
         except SystemExit as e:  # a declined run: nothing ranked, nobody accused
             res[run.resolve().name] = {"declined": str(e)}
     print("| run | rows | planted (moved) | accused: planted+co-cause/total | precision | moved recall | drop (p) "
@@ -151,6 +181,11 @@ def main() -> None:
         print(f"| {name} | {r['rows']} | {r['planted']} ({r['moved']}) | "
               f"{s['planted']}+{s['co_cause']}/{s['accused']} | {fmt(s['precision'])} | {fmt(s['moved_recall'])} | "
               f"{drop} | {b['planted']}+{b['co_cause']}/{b['accused']} | {fmt(b['moved_recall'])} | {auprc_} |")
+    for name, r in res.items():
+        if r.get("reference_sweep"):
+            print(f"\n{name}: AUPRC of the moved planted rows by reference rows (seeds 0-4): " +
+                  "; ".join(f"{k}: {', '.join('n/a' if x is None else f'{x:.3f}' for x in v)}"
+                            for k, v in r["reference_sweep"].items()))
     print(json.dumps({"bench": "accused_rule", "results": res}))
 
 
