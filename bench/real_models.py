@@ -225,13 +225,18 @@ def reference(run: Path) -> dict:
 def second_question(run: Path, sets: list[str], first_cpu: float) -> dict:
     """Another question on the same fine-tune: every other eval item, scored from the per-row store the first
     `attribute` left (its cache shared), beside a full pass over the rows for that eval set (`attribution.store:
-    full`, which then rewrites the store); each one's CPU seconds and peak RSS, and whether their top
-    `attribution.top_k` rows agree."""
+    full`, in a cache of its own); each one's CPU seconds and peak RSS, and whether their top `attribution.top_k`
+    rows agree."""
     lines = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval-q2.jsonl").write_text("\n".join(lines[1::2]) + "\n")
-    both = [*sets, f"grads.cache_dir={run / 'bench-out' / 'index'}", "data.eval=eval-q2.jsonl"]
-    q2 = attribute_child(run, [*both, "attribution.store=shortlist"], "bench-out-q2")  # the default, said
-    full = attribute_child(run, [*both, "attribution.store=full"], "bench-out-q2full")
+    q2 = attribute_child(run, [*sets, f"grads.cache_dir={run / 'bench-out' / 'index'}", "data.eval=eval-q2.jsonl",
+                               "attribution.store=shortlist"], "bench-out-q2")  # the default, said
+    # the full pass in a cache of its own: every row differentiated again, nothing read from the first pass's store
+    fresh = run / "bench-q2full-cache"
+    shutil.rmtree(fresh, ignore_errors=True)
+    full = attribute_child(run, [*sets, f"grads.cache_dir={fresh}", "data.eval=eval-q2.jsonl",
+                                 "attribution.store=full"], "bench-out-q2full")
+    shutil.rmtree(fresh, ignore_errors=True)
     a, b = (json.loads((run / d / "report.json").read_text()) for d in ("bench-out-q2", "bench-out-q2full"))
     ta, tb = [r["position"] for r in a["ranking"]], [r["position"] for r in b["ranking"]]
     sc = a.get("scoring") or {}
