@@ -57,6 +57,10 @@ def _pass(s, qitems, direction, root):
 @pytest.fixture
 def backward_rows(monkeypatch):
     """Training rows differentiated from now on (each batch's row count; the queries' own backward aside)."""
+    return _counting(monkeypatch)
+
+
+def _counting(monkeypatch) -> list[int]:
     from gradian.attribution import row_pass, shortlist
 
     seen: list[int] = []
@@ -260,7 +264,7 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkey
     rest by the store's sketches and scores the shortlist from a backward each."""
     from test_precondition import trained_scenario
 
-    from gradian.attribution import one_pass, row_pass, scoring, shortlist
+    from gradian.attribution import one_pass, scoring
     from gradian.attribution.scoring import rank
 
     if held == "sample":
@@ -282,19 +286,9 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkey
     lines = (run / "eval.jsonl").read_text().splitlines()
     (run / "eval2.jsonl").write_text("\n".join(lines[::2]) + "\n")
     sets = ["data.eval=eval2.jsonl", "attribution.top_k=10", cache]
-    seen: list[int] = []
-    real = row_pass.exact_batches
-
-    def counting(*a, **kw):
-        for got in real(*a, **kw):
-            seen.append(len(got[1]))
-            yield got
-
-    monkeypatch.setattr(row_pass, "exact_batches", counting)
-    monkeypatch.setattr(shortlist, "exact_batches", counting)
+    seen = _counting(monkeypatch)
     second = attribute(load_config(cfg_path, ["output=second", "attribution.store=shortlist", *sets]))
-    monkeypatch.setattr(row_pass, "exact_batches", real)
-    monkeypatch.setattr(shortlist, "exact_batches", real)
+    differentiated = sum(seen)
     # the full pass in a cache of its own: every row differentiated again, nothing read from the first pass's store
     full = attribute(load_config(cfg_path, ["output=full", "attribution.store=full", *sets, "grads.cache_dir=fresh"]))
     assert full["scoring"]["reused_rows"] == 0 and full["scoring"]["store"] != store
@@ -303,11 +297,11 @@ def test_attribute_asks_a_second_question_of_a_conversation_run(tmp_path, monkey
     assert sl["mode"].startswith("per-row store") and sl["store"] == store
     s2, sf = np.load(run / "second" / "scores.npy"), np.load(run / "full" / "scores.npy")
     if held == "every":
-        assert "every row's exact gradient" in sl["mode"] and sum(seen) == 0
+        assert "every row's exact gradient" in sl["mode"] and differentiated == 0
         assert s2.tobytes() == sf.tobytes()
         return
     assert sl["stored_exact_rows"] == sl["shortlist"]["reference_rows"] <= 40 < sl["exact_rows"] < sl["unique_rows"]
-    assert 0 < sum(seen) == sl["exact_rows"] - sl["stored_exact_rows"] and "sketch error" in sl["shortlist"]["rule"]
+    assert 0 < differentiated == sl["exact_rows"] - sl["stored_exact_rows"] and "sketch error" in sl["shortlist"]["rule"]
     # the same top rows with the same scores (a row's z: its exact score against its item's exact reference rows)
     top = rank(sf, 10)
     assert set(rank(s2, 10).tolist()) == set(top.tolist()) and rank(s2, 1).tolist() == rank(sf, 1).tolist()
