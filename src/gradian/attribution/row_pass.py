@@ -271,7 +271,8 @@ class RefRows:
 
     def copy_held(self, store, held: FileRows, held_layout: HeldLayout, chunk: int) -> None:
         """The held reference rows (and their exchanges), from the held file, `chunk` rows at a time."""
-        both = [p for p in self.layout.positions if p in set(held_layout.positions)]
+        held_set = set(held_layout.positions)
+        both = [p for p in self.layout.positions if p in held_set]
         at: dict = {}
         for m, o in enumerate(held_layout.owner):
             at.setdefault(o, []).append(m)
