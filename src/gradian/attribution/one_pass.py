@@ -225,7 +225,8 @@ def run_pass(grads, store: RowStore, ps: PassState, settings, turns: Optional[Se
         part["agreement"] = np.asarray(agree if agree is not None else (np.nan, 0), dtype=np.float64)
         store.put_part("h", part)
     ref = reference_of(plan, turns, ps.width) if keep and not plan.all_held else None
-    ref = ref if ref is not None and ref.layout.positions else None
+    if ref is not None and not ref.layout.positions:  # not one reference row fits REF_BYTES
+        ref = None
     if ref is not None:
         store.exact_file("ref", ref.layout.slots, ps.width)
     streamed_parts(grads, store, ps.reducer, plan.streamed, turns, ref)

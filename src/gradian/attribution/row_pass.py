@@ -240,21 +240,19 @@ class RefRows:
     later question scores them without a backward (`attribution.shortlist`)."""
 
     layout: HeldLayout
+    members: frozenset  # layout.positions, for membership
 
     @classmethod
     def of(cls, positions: Sequence[int], turns: Optional[Sequence]) -> "RefRows":
-        return cls(HeldLayout.of(sorted(set(int(p) for p in positions)), turns))
-
-    @property
-    def _set(self) -> frozenset:
-        return frozenset(self.layout.positions)
+        rows = sorted(set(int(p) for p in positions))
+        return cls(HeldLayout.of(rows, turns), frozenset(rows))
 
     def complete(self, store) -> bool:
         return store.exact_slots("ref") >= set(range(self.layout.slots))
 
     def put(self, store, name: str, part: Sequence[int], v: np.ndarray, t: Optional[Turns]) -> None:
         """Batch `name`'s reference rows (rows `part`, gradients `v`, exchanges `t`) into the ref file."""
-        mine = self._set
+        mine = self.members
         keep = [i for i, p in enumerate(part) if p in mine]
         if not keep or name in store.exact_done("ref"):
             return

@@ -172,14 +172,14 @@ def _one_pass(grads: ModelGradients, qitems, settings: ScoringSettings, turns) -
     root, key = store_of(grads, settings, turns)
     with opened(root, key, {"rows": len(grads.toks)}) as store:
         ps = prepare(grads, qitems, settings, store, turns)
+        later = root is not None and store.sealed and store.question != ps.qkey
         # every row held: the store keeps every row's exact gradient, and a pass reads them all (no backward)
         every = ps.plan.all_held and store.held_file is not None
-        if root is not None and store.sealed and store.question != ps.qkey and settings.store == "shortlist" \
-                and not every:
+        if later and settings.store == "shortlist" and not every:
             st, op, info = score_shortlist(grads, store, ps, settings, turns, settings.top_k)
             method, summary = "stored_rows", {**op.describe(), **info.describe()}
         else:
-            later = root is not None and store.sealed and store.question != ps.qkey and every
+            later = later and every
             st, op = run_pass(grads, store, ps, settings, turns, root is not None)
             method, summary = "one_pass", op.describe()
             if later:  # a later question, every row read from the kept held file: exact, no backward

@@ -109,7 +109,7 @@ class RowStore:
         return self.exact_file("held", n, width)
 
     def held_done(self) -> set[int]:
-        return {int(j) for j in self.m["held"].get("batches", {})}
+        return {int(j) for j in self.exact_done("held")}
 
     def put_held(self, j: int, slots: Sequence[int], rows: np.ndarray) -> None:
         """Rows of held batch `j` into their slots of the held file, then the manifest names the batch with the sha256
@@ -288,22 +288,22 @@ def _verified(root: Path, m: dict) -> dict:
     return m
 
 
-def _verified_rows(root: Path, kind: str, held: dict) -> dict:
+def _verified_rows(root: Path, kind: str, entry: dict) -> dict:
     """The manifest entry of a file of exact rows without the batches whose rows do not match their sha256."""
-    if held.get("batches"):
-        width = held["shape"][1]
+    if entry.get("batches"):
+        width = entry["shape"][1]
         try:
-            rows = FileRows(root / FILES[kind], width, n_file=held["shape"][0])
-            ok = {j: b for j, b in held["batches"].items()
+            rows = FileRows(root / FILES[kind], width, n_file=entry["shape"][0])
+            ok = {j: b for j, b in entry["batches"].items()
                   if hashlib.sha256(np.ascontiguousarray(rows.subset(b["slots"]).read32(0, len(b["slots"])),
                                                          dtype="<f4").tobytes()).hexdigest() == b["sha256"]}
         except OSError:
             ok = {}
-        if len(ok) != len(held["batches"]):
+        if len(ok) != len(entry["batches"]):
             log.warning("per-row store %s: %d batches of %s do not match their checksums; they will be recomputed",
-                        root, len(held["batches"]) - len(ok), FILES[kind])
-        held["batches"] = ok
-    return held
+                        root, len(entry["batches"]) - len(ok), FILES[kind])
+        entry["batches"] = ok
+    return entry
 
 
 def _matches(path: Path, sha: str) -> bool:
