@@ -3,6 +3,7 @@
     .venv/bin/python bench/accused_rule.py RUN [RUN ...]     # a run of bench/real_models.py or bench/fidelity.py
     .venv/bin/python bench/accused_rule.py --smoke           # the tiny scenario of bench/_smoke.py (seconds)
     .venv/bin/python bench/accused_rule.py --reference-sweep RUN   # also: AUPRC by reference rows and their seed
+    .venv/bin/python bench/accused_rule.py --controls RUN          # also: the candidate rule with control items
 
 Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The per-item ranking
 scores come from `bench/combine_items.py`'s `rank_item` (computed once by `attribute`'s own stages, then read from
@@ -32,6 +33,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -140,6 +142,41 @@ def reference_sweep(run: Path, sizes=(128, 256, 512, 1024), seeds=(0, 1, 2, 3, 4
     return out
 
 
+def controls(run: Path) -> Optional[dict]:
+    """The rule with control items (a candidate, not shipped): each row's robust z on the failing items less its
+    level on the control items (`combine_items.control_item`: the items both models pass, the fine-tune's own
+    answers as targets), the median of its control z-scores where positive. A row that pushes every answer of the
+    task stands out on both and loses its lead; a cause stands out on the items it broke only. Prints the AUPRC of
+    the moved planted rows by the max and by the scan statistic, before and after, and whom the widest drop of the
+    contrasted scan statistic accuses. None: no item passes under both models."""
+    from combine_items import control_item
+
+    from gradian.attribution.accused import scan, widest_drop
+    from gradian.attribution.scoring import auprc, item_z
+
+    ci, items = control_item(run)
+    if ci is None:
+        return None
+    per, _ = rank_item(run)
+    meta = json.loads((run / "combine" / "meta.json").read_text())
+    truth = json.loads((run / "truth.json").read_text())
+    planted, moved = set(truth["planted"]), moved_rows(truth, meta)
+    co = set(truth.get("wrong_value_rows", [])) - planted
+    z = item_z(per.astype(np.float64))
+    level = np.maximum(np.median(item_z(ci.astype(np.float64)), axis=0), 0.0)
+    out = {"controls": len(items)}
+    for name, zz in (("before", z), ("after", z - level)):
+        stat = scan(zz)[0]
+        out[f"auprc_max_{name}"] = auprc(zz.max(0), moved) if moved else None
+        out[f"auprc_scan_{name}"] = auprc(stat, moved) if moved else None
+    stat = scan(z - level)[0]
+    drop = widest_drop(stat)
+    acc = set(np.lexsort((np.arange(stat.size), -stat))[: drop.count].tolist())
+    out["accused"] = {"accused": len(acc), "planted": len(acc & planted), "co_cause": len(acc & co),
+                      "moved_recall": len(acc & set(moved)) / len(moved) if moved else None, "drop_p": drop.p}
+    return out
+
+
 def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -151,6 +188,9 @@ def main() -> None:
     ap.add_argument("--reference-sweep", action="store_true",
                     help="per RUN, the AUPRC with each item's median and scale from 128-1,024 reference rows drawn with "
                          "seeds 0-4, and from every row")
+    ap.add_argument("--controls", action="store_true",
+                    help="per RUN, also the candidate rule with control items (the items both models pass; "
+                         "`controls`): scores them once (a scoring pass), kept in RUN/combine/ctrl_item.npy")
     args = ap.parse_args()
     if args.smoke:
         from _smoke import tiny_run
@@ -164,6 +204,8 @@ def main() -> None:
             res[run.resolve().name] = measure(run.resolve())
             if args.reference_sweep or args.smoke:
                 res[run.resolve().name]["reference_sweep"] = reference_sweep(run.resolve())
+            if args.controls or args.smoke:
+                res[run.resolve().name]["controls"] = controls(run.resolve())
         except SystemExit as e:  # a declined run: nothing ranked, nobody accused
             res[run.resolve().name] = {"declined": str(e)}
     print("| run | rows | planted (moved) | accused: planted+co-cause/total | precision | moved recall | drop (p) "
@@ -186,6 +228,16 @@ def main() -> None:
             print(f"\n{name}: AUPRC of the moved planted rows by reference rows (seeds 0-4): " +
                   "; ".join(f"{k}: {', '.join('n/a' if x is None else f'{x:.3f}' for x in v)}"
                             for k, v in r["reference_sweep"].items()))
+    ctl = {name: r["controls"] for name, r in res.items() if r.get("controls")}
+    if ctl:
+        print("\n| run | control items | AUPRC max z: before / after | AUPRC scan: before / after | "
+              "accused with controls: planted+co-cause/total | moved recall | drop p |")
+        print("|---|---|---|---|---|---|---|")
+        for name, c in ctl.items():
+            a = c["accused"]
+            print(f"| {name} | {c['controls']} | {fmt(c['auprc_max_before'])} / {fmt(c['auprc_max_after'])} | "
+                  f"{fmt(c['auprc_scan_before'])} / {fmt(c['auprc_scan_after'])} | "
+                  f"{a['planted']}+{a['co_cause']}/{a['accused']} | {fmt(a['moved_recall'])} | {a['drop_p']:.1e} |")
     print(json.dumps({"bench": "accused_rule", "results": res}))
 
 

@@ -38,6 +38,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("GRADIAN_THREADS", "1")
 os.environ.setdefault("GRADIAN_PROGRESS", "0")
@@ -75,6 +76,48 @@ def rank_item(run: Path) -> tuple[np.ndarray, bool]:
                                 "item_ids": [int(q.item) for q in queries.items],
                                 "generated": [q.generated for q in queries.items]}))
     return ri, own
+
+
+def control_item(run: Path) -> tuple[Optional[np.ndarray], list[int]]:
+    """(each control item's scores [C, N], the control items' eval positions): the eval items both models pass,
+    each scored like a failing item with the fine-tune's own answer as the target (`classic` on what the fine-tune
+    said), signed so that a positive score made that passing answer likelier. A row that stands out on the failing
+    items only because it pushes every answer of the task (a true fact of the same kind, a row of the answers'
+    form) stands out on these too. Computed once, then read from RUN/combine/ctrl_item.npy (None: no item passes
+    under both models). Costs a scoring pass of its own over the rows (a later question where RUN's per-row store
+    answers it)."""
+    from gradian.attribution.formulation import Formulation
+    from gradian.attribution.queries import new_query
+    from gradian.config import load_config
+    from gradian.pipeline import capability_stage, score_stage
+    from gradian.setup.session import open_session
+
+    out = run / "combine"
+    f, meta = out / "ctrl_item.npy", out / "ctrl_meta.json"
+    if meta.exists():
+        items = json.loads(meta.read_text())["items"]
+        return (np.load(f) if items else None), items
+    cfg = load_config(run / "gradian.yaml", ["output=combine"])
+    s = open_session(cfg)
+    outcome = capability_stage(s)
+    cap = outcome.result
+    b, t = cap.base_scores, cap.tuned_scores
+    gen = cap.tuned_generated or [""] * len(b)
+    base_gen = cap.base_generated or [""] * len(b)
+    failing = set(outcome.failing)
+    passing = [i for i in range(len(s.eval_items)) if i not in failing and t[i] > 0 and t[i] >= b[i]]
+    qs = [new_query(s.eval_items[i].position, s.eval_items[i].question_text(), s.eval_items[i].answer, gen[i],
+                    base_gen[i], Formulation.classic, target=gen[i] or s.eval_items[i].answer, target_source="tuned")
+          for i in passing]
+    out.mkdir(exist_ok=True)
+    ci = None
+    if qs:
+        # "improvement": the harm sign that makes a row that raised the target's likelihood positive
+        ci = np.asarray(score_stage(s, qs, "improvement", combine="max").per_item, dtype=np.float32)
+        np.save(f, ci)
+    items = [int(s.eval_items[i].position) for i in passing]
+    meta.write_text(json.dumps({"items": items, "generated": [q.generated for q in qs]}))
+    return ci, items
 
 
 def combinations(per: np.ndarray) -> dict[str, np.ndarray]:
