@@ -34,9 +34,14 @@ import time
 import traceback
 import types
 
-import torch, numpy, scipy.stats, sklearn.cluster  # noqa: E401,F401  the shared imports
-import transformers, transformers.models.llama.modeling_llama, peft, datasets, trl  # noqa: E401,F401
-import safetensors.torch, yaml, jinja2, rich.progress, pydantic, typer  # noqa: E401,F401
+import torch  # noqa: F401  the shared imports: what gradian's verbs and the benches load
+
+for _name in ("numpy", "scipy.stats", "sklearn.cluster", "transformers", "transformers.models.llama.modeling_llama",
+              "peft", "datasets", "trl", "safetensors.torch", "yaml", "jinja2", "rich.progress", "pydantic", "typer"):
+    try:
+        __import__(_name)
+    except ImportError:  # not installed here: a process that needs it fails on its own, as it would unforked
+        pass
 
 timeout, ctl, sock_path, shim = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 REAL = sys.executable
