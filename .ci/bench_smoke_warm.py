@@ -34,7 +34,14 @@ import time
 import traceback
 import types
 
-import torch  # noqa: F401  the shared imports: what gradian's verbs and the benches load
+timeout, ctl, sock_path, shim = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+# listening before the imports: a SHIM that connects meanwhile waits in the backlog instead of finding no socket
+# (and running the real interpreter)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sock_path)
+listener.listen(64)
+
+import torch  # noqa: E402,F401  the shared imports: what gradian's verbs and the benches load
 
 for _name in ("numpy", "scipy.stats", "sklearn.cluster", "transformers", "transformers.models.llama.modeling_llama",
               "peft", "datasets", "trl", "safetensors.torch", "yaml", "jinja2", "rich.progress", "pydantic", "typer"):
@@ -43,13 +50,9 @@ for _name in ("numpy", "scipy.stats", "sklearn.cluster", "transformers", "transf
     except ImportError:  # not installed here: a process that needs it fails on its own, as it would unforked
         pass
 
-timeout, ctl, sock_path, shim = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 REAL = sys.executable
 OWN_PP = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 BASE_PATH = [p for p in sys.path[1:] if p not in OWN_PP and p not in map(os.path.abspath, OWN_PP)]
-listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(sock_path)
-listener.listen(64)
 scripts = {}  # pid -> (id, deadline, tag)
 forked = {}  # pid -> (connection, tag)
 conns = {}  # connection -> pid
