@@ -42,7 +42,7 @@ bench: venv
 
 # Every bench's smoke mode (`bench/NAME.py --smoke`, bench/_smoke.py): each script's own code path on the tiny model,
 # two at a time, each ending with its JSON line (.ci/bench-smoke; CI runs it after `make test`). Not part of `make
-# test`: it starts about thirty Python processes.
+# test`: it starts about forty Python processes (forked from one warm interpreter: about 85 CPU s in all).
 bench-smoke: venv
 	PY=$(BIN)/python .ci/bench-smoke
 

@@ -100,6 +100,33 @@ def tiny_run(name: str = "tiny") -> Path:
     return run
 
 
+def seed_from_tiny(run: Path, *, outputs: bool = False) -> None:
+    """Give `run` tiny_run()'s trained adapter (and with `outputs`, its `attribute` outputs and index, laid out as
+    an `output: .` run has them), unless it has an adapter already: a smoke mode that prepares this very scenario
+    (tests/test_verify.write_tiny_run writes the same files, trained by the same code) then finds them there and
+    skips the training and attribute run that every bench would otherwise repeat."""
+    import shutil
+
+    if (run / "adapter").exists():
+        return
+    tiny = tiny_run()
+    run.mkdir(parents=True, exist_ok=True)
+    if outputs:
+        for f in (tiny / REPORT_DIR).iterdir():
+            (shutil.copytree if f.is_dir() else shutil.copy2)(f, run / f.name)
+    part = run / "adapter.part"
+    shutil.rmtree(part, ignore_errors=True)
+    shutil.copytree(tiny / "adapter", part)
+    # The recipe names the training file it was trained on; the copy's is `run`'s (the same rows: the recipe's
+    # dataset fingerprint still checks them), as `gradian train` in `run` would have written it.
+    for rec in part.rglob("gradian_recipe.json"):
+        doc = json.loads(rec.read_text())
+        if doc.get("data") == str(tiny / "train.jsonl"):
+            doc["data"] = str(run / "train.jsonl")
+            rec.write_text(json.dumps(doc, indent=2))
+    part.rename(run / "adapter")  # the adapter last, whole: its presence means done
+
+
 def smoke_line(bench: str, **figures) -> str:
     """The JSON line a smoke mode ends with when its bench prints none of its own."""
     return json.dumps({"bench": bench, "smoke": True, **figures}, default=str)

@@ -20,7 +20,9 @@ format: seed 0; null: seeds 0-3) with its defaults.
 The BEFORE code runs from a `git worktree` of REV (PYTHONPATH), the AFTER code from this checkout's `src`; both
 in the same virtual environment, one CPU thread. Prints one line per run, then ONE JSON object as the last line, and
 exits 1 on any difference. `--smoke` takes no revision: both sides are this checkout (no worktree), on one run of the
-tiny scenario, so it checks the harness end to end and that a run is reproduced bit for bit.
+tiny scenario, so it checks the harness end to end and that a run is reproduced bit for bit; its BEFORE adapter is
+the smoke's shared tiny run's (bench/_smoke.py `seed_from_tiny`), which the AFTER side's `gradian train` must
+reproduce bit for bit.
 """
 
 from __future__ import annotations
@@ -234,6 +236,10 @@ def main() -> int:
             p = checked(run([sys.executable, "-c", PREPARE, str(before_src / "bench"), name, str(seed), str(scen)],
                             src=b_src), f"prepare {name} s{seed}")
             cfg = Path(p.stdout.strip().splitlines()[-1])
+            if args.smoke:  # the tiny scenario's BEFORE adapter is bench/_smoke.py's tiny run's (same code, same data)
+                from _smoke import seed_from_tiny
+
+                seed_from_tiny(cfg.parent)
             if not (cfg.parent / "adapter" / "adapter_model.safetensors").exists():
                 checked(run([sys.executable, "-m", "gradian", "train", str(cfg)], src=b_src), f"train {name}")
             diffs = retrained_diffs(cfg, a_src)

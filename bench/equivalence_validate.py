@@ -22,7 +22,10 @@ BEFORE runs from a `git worktree` of REV (PYTHONPATH), AFTER from this checkout;
 thread. Prints one line per comparison, then ONE JSON object as the last line, and exits 1 on any difference.
 `--smoke`: no revision, this checkout on both sides (as `bench/equivalence.py --smoke`), the tiny-hf run only, verify
 with --controls 1 --top-k 2 and fidelity with --loo 1 --subsets 2 and the identity preconditioner, and no second
-training (the adapter comparison is bench/equivalence.py's, which its own smoke runs).
+training (the adapter comparison is bench/equivalence.py's, which its own smoke runs). The tiny-hf run is
+bench/_smoke.py's tiny scenario, so its adapter and report come from the smoke's shared tiny run (`seed_from_tiny`)
+and the BEFORE side's `train` and `attribute` are skipped as with files already there; the scenario is still
+written by the BEFORE side's prepare step.
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ def main() -> int:
     verbs = ((("verify", SMOKE_VERIFY_ARGS), ("fidelity", SMOKE_FIDELITY_ARGS)) if args.smoke else
              (("verify", VERIFY_ARGS), ("fidelity", FIDELITY_ARGS)))
     for name in names:
+        if args.smoke:  # the tiny-hf scenario is bench/_smoke.py's tiny run: its training and report, not again
+            from _smoke import seed_from_tiny
+
+            seed_from_tiny(scen / name, outputs=True)
         cfg = prepared(name, scen, before)
         if not args.smoke:  # the retrain comparison is bench/equivalence.py's own, smoked there
             diffs = retrained_diffs(cfg, a_src)

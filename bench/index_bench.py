@@ -701,7 +701,8 @@ def _meets(rr: dict) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rows, widths, repetitions (about 4 CPU minutes)")
-    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gradian-bench"), help="scratch directory")
+    ap.add_argument("--work", default=None, help="scratch directory (default $TMPDIR/gradian-bench; with --smoke, "
+                    "bench/_smoke.py's work directory)")
     ap.add_argument("--rows", type=int, default=None, help="rows scored for fidelity (default 1200 quick / 3000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma list of sections to skip: fidelity,overhead,loss,bytes,score")
@@ -715,8 +716,14 @@ def main() -> None:
                          "repetition): checks the script runs, in seconds; its figures mean nothing")
     args = ap.parse_args()
     if args.smoke:
+        from _smoke import work_dir
+
         globals().update(SMOKE_LOSS)
         args.rows = args.rows or 64
+        # its scratch in the smoke's work directory: the toy mid-run's adapter and the loss reference are the smoke's
+        # own, never a full run's in $TMPDIR/gradian-bench (nor reused from one)
+        args.work = args.work or str(work_dir("index_bench"))
+    args.work = args.work or os.path.join(tempfile.gettempdir(), "gradian-bench")
     if args.loss_child:
         loss_child(args.loss_child, args.chunk, args.ref)
         return

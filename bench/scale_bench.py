@@ -484,6 +484,10 @@ def main() -> int:
     out["seconds"] = round(time.time() - t_all, 1)
     print("\n\n".join(text))
     print(json.dumps(out, separators=(",", ":"), default=str))
+    errors = [r["label"] for r in out.get("fixtures", []) + out.get("rows", []) if "error" in r]
+    if errors and args.smoke:  # a full run reports a failed run in its table and goes on; a smoke run must fail
+        log(f"failed: {', '.join(errors)}")
+        return 1
     return 0
 
 

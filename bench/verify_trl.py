@@ -155,7 +155,7 @@ def main() -> None:
         out.update({"attribute_exit": rc, "attribute_cpu_s": round(cpu, 1)})
         if rc != 0:
             print(json.dumps(out))
-            return
+            sys.exit(1)  # the run could not go on: a failure, not a figure
     rep = json.loads((run / "report.json").read_text())
     truth = json.loads((run / "truth.json").read_text())
     acc = (rep.get("accused") or {}).get("positions", [])
@@ -164,6 +164,7 @@ def main() -> None:
     if args.until == "attribute":
         print(json.dumps(out))
         return
+    (run / "verify.json").unlink(missing_ok=True)  # an earlier run's must not stand for this one's
     rc, cpu = _gradian("verify", str(run / "gradian.yaml"), "--controls", str(args.controls), log=log)
     out.update({"verify_exit": rc, "verify_cpu_s": round(cpu, 1)})
     if (run / "verify.json").exists():
@@ -187,6 +188,8 @@ def main() -> None:
         print(f"accused reverted {a['reverted_fraction']} interval {a['ci']}; controls "
               f"{[c['reverted_fraction'] for c in v['controls']]}")
     print(json.dumps(out))
+    if rc != 0 or not (run / "verify.json").exists():
+        sys.exit(1)  # verify failed: the JSON line above says how, the exit status says that it did
 
 
 if __name__ == "__main__":
