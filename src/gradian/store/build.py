@@ -81,7 +81,8 @@ def make_projector(cfg: Config, sites: Sequence[LoraSite], rows: int = 0) -> Pro
 def model_fingerprints(cfg: Config, adapter_path: str) -> tuple[str, str]:
     """(base, adapter): the content fingerprints of the model's directories, read once per index opened (its key and
     its manifest both name them)."""
-    return dir_fingerprint(cfg.local_or_hub(cfg.model.base)), dir_fingerprint(adapter_path)
+    base = cfg.local_or_hub(cfg.model.base)
+    return dir_fingerprint(base), dir_fingerprint(adapter_path)
 
 
 def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str,
