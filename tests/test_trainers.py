@@ -224,11 +224,11 @@ def test_missing_trl_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_schedule_replay_and_learning_rate_weights(tmp_path):
-    from gradian.attribution.checkpoints import average, checkpoint_weights, saved_adapters
+    from gradian.attribution.checkpoints import average, checkpoint_weights, interval_means, saved_adapters
     from gradian.config import load_config
     from gradian.training.backends import run_training
     from gradian.training.recipe import read_recipe
-    from gradian.training.schedule import interval_means, step_rates
+    from gradian.training.schedule import step_rates
     from gradian.validate.retrain import adapters_equal
 
     cfg = load_config(write_tiny_run(tmp_path / "run", n_rows=24, n_planted=2, n_control_eval=2,

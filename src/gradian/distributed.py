@@ -114,18 +114,6 @@ def finalize() -> None:
         dist.destroy_process_group()
 
 
-def device_for(name: str) -> Optional[str]:
-    """Under torchrun on CUDA, each rank's own GPU (`cuda:LOCAL_RANK`) instead of `cuda`/`auto`; else None."""
-    r = current()
-    if not r.active:
-        return None
-    import torch
-
-    if name in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{r.local_rank}"
-    return None
-
-
 def barrier() -> None:
     r = current()
     if r.active:

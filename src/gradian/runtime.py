@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from typing import Optional
 
 _configured = False
 
@@ -55,30 +52,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA, else CPU. MPS only when named: its kernels are not deterministic enough to be a default."""
-    import torch
-
-    from .distributed import device_for
-
-    mine = device_for(name)  # under torchrun on CUDA: this rank's GPU (cuda:LOCAL_RANK)
-    if mine is not None:
-        return torch.device(mine)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        from .errors import ModelError
-
-        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'",
-                         check="device.unavailable")
-    if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        from .errors import ModelError
-
-        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'",
-                         check="device.unavailable")
-    return torch.device(name)
 
 
 def quiet_libraries() -> None:

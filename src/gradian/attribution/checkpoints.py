@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -218,6 +219,37 @@ def resolve(n, explicit: Sequence[Path], adapter_path: str, replay: Callable[[in
     return paths, [f"epoch-{k}" for k in epochs], flags
 
 
+def earliest_saved(adapter_path: str) -> Optional[Path]:
+    """The earliest saved checkpoint that is not the final adapter (`attribution.checkpoints: earliest`), or None."""
+    saved = without_final(saved_adapters(adapter_path), adapter_path)
+    return saved[0] if saved else None
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """The earlier states `attribution.checkpoints` asks for, read in one call (`earlier_states`): their adapters and
+    labels, flags where none can be had, their TracIn-CP weights and where the weights and the states came from."""
+
+    paths: tuple[Path, ...]
+    labels: tuple[str, ...]
+    flags: tuple = ()
+    weights: Optional[list[float]] = None
+    weights_source: str = ""
+    source: str = ""
+
+
+def earlier_states(n, explicit: Sequence[Path], adapter_path: str,
+                   replay: Callable[[int], tuple[list[Path], list[int]]]) -> Earlier:
+    """`resolve`'s earlier states with their weights (`checkpoint_weights`) and their source (`source_of`):
+    `attribution.states.resolve_states` asks this module once."""
+    paths, labels, flags = resolve(n, explicit, adapter_path, replay)
+    if not paths:
+        return Earlier((), (), tuple(flags))
+    weights, weights_source = checkpoint_weights(adapter_path, paths)
+    return Earlier(tuple(paths), tuple(labels), tuple(flags), weights, weights_source,
+                   source_of(bool(explicit), paths, adapter_path))
+
+
 def average(final: np.ndarray, earlier: Sequence[np.ndarray], weights: Optional[Sequence[float]] = None) -> np.ndarray:
     """Mean of the final checkpoint's scores and the earlier ones', weighted by `weights` ([earlier..., final], the
     learning rate each checkpoint stands for: TracIn-CP). Equal weights (or none) give the plain mean, computed as
@@ -235,12 +267,7 @@ def average(final: np.ndarray, earlier: Sequence[np.ndarray], weights: Optional[
 def _step_of(p: Path) -> Optional[int]:
     """The optimizer step a checkpoint was saved at: its recipe's `step`, a `checkpoint-<step>` name, or its
     trainer_state.json."""
-    from ..training.recipe import read_recipe
-
-    try:
-        rec = read_recipe(p)
-    except Exception:  # a broken recipe only costs the weighting
-        rec = None
+    rec = _recipe_of(p)
     if rec is not None and rec.step:
         return int(rec.step)
     m = _STEP.match(Path(p).name)
@@ -248,6 +275,17 @@ def _step_of(p: Path) -> Optional[int]:
         return int(m.group(1))
     st = _trainer_state(p)
     return int(st["global_step"]) if st and st.get("global_step") else None
+
+
+def _recipe_of(p) -> Optional[object]:
+    """The Gradian recipe saved with an adapter, or None where there is none or it cannot be read: a broken recipe
+    only costs the weighting."""
+    from ..training.recipe import read_recipe
+
+    try:
+        return read_recipe(p)
+    except Exception:
+        return None
 
 
 def _trainer_state(p: Path) -> Optional[dict]:
@@ -281,17 +319,29 @@ def _rates_from_states(paths: Sequence[Path]) -> Optional[list[float]]:
     return out
 
 
+def interval_means(rates: Sequence[float], steps: Sequence[int]) -> list[float]:
+    """TracIn-CP's weights: the mean learning rate of the steps each checkpoint stands for. Checkpoint i, saved after
+    step `steps[i]` (ascending), covers steps (steps[i-1], steps[i]] (the first from step 1). With a constant rate
+    every mean is that rate, whatever the spacing."""
+    out, prev = [], 0
+    for t in steps:
+        t = int(t)
+        seg = list(rates[prev:t]) if t > prev else []
+        if not seg:  # a checkpoint past the recorded steps, or two at one step: the nearest recorded rate
+            seg = [rates[min(max(t, 1), len(rates)) - 1]] if len(rates) else []
+        if not seg:
+            out.append(float("nan"))
+        else:  # an exactly constant stretch keeps its rate bit for bit (sum / n can round it)
+            out.append(float(seg[0]) if all(x == seg[0] for x in seg) else float(sum(seg) / len(seg)))
+        prev = max(prev, t)
+    return out
+
+
 def checkpoint_weights(adapter_path: str, paths: Sequence[Path]) -> tuple[Optional[list[float]], str]:
     """TracIn-CP weights of [earlier..., final]: the mean learning rate of the optimizer steps each checkpoint
     stands for (those since the previous checkpoint), from the adapter's recipe (`learning_rates`: gradian train,
     the TRL backend, GradianCallback) or else a Trainer's trainer_state.json; (None, why) when neither says."""
-    from ..training.recipe import read_recipe
-    from ..training.schedule import interval_means
-
-    try:
-        rec = read_recipe(adapter_path)
-    except Exception:
-        rec = None
+    rec = _recipe_of(adapter_path)
     steps = [_step_of(p) for p in paths]
     final_step = (rec.step if rec is not None and rec.step else None) or _step_of(Path(adapter_path))
     rates, source = None, ""

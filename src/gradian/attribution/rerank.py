@@ -1,23 +1,30 @@
-"""Exact re-ranking of a projected index's top rows, and projected-vs-exact agreement (pure functions).
+"""Exact re-ranking of a projected index's top rows, and projected-vs-exact agreement.
 
 With a projected index the top `grads.rerank` rows are re-scored with exact gradients. For a preconditioned query
 H^-1 = (I - M) / lambda per block (M the low-rank or diagonal part), so a candidate's exact score splits into the
 identity part, scored in parameter space against its exact gradient (`e`), and the correction M, scored in index
 space (`r`): score = <r, P(g)> + <e, g> (`exact_directions`). A sample of `grads.fidelity_sample` rows measures how
 well the projected scores agree with exact ones (`self_check`).
+
+`rerank` runs those steps over an index's scores (`attribution.indexed.score_index` calls it once, after the
+windows); the rest are pure functions.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 from scipy.stats import pearsonr, spearmanr
 
-from ..grads.layout import expand
+from ..grads.layout import exact_widths, expand
+from ..store.rows import RowSource
+from . import windows as win
 from .directions import BackProjected, Directions, ExactPart, HarmDirections
-from .scoring import aggregate, harm_factor, rank
+from .engine import ModelGradients, ScoringSettings, scaled_contributions
+from .scoring import aggregate, harm_factor, item_scores, rank
 from .values import Basis, Rerank, Scored
 
 
@@ -165,3 +172,70 @@ def self_check(exact_s: np.ndarray, projected_s: np.ndarray, sample: np.ndarray,
         fid["reranked"] = agreement(aggregate(exact_s)[None, :], agg_fake[None, :])
         fid["reranked"].pop("pearson", None)
     return fid
+
+
+def rerank(grads: ModelGradients, rows: RowSource, st: Scored, q: np.ndarray, exact_q, settings: ScoringSettings
+            ) -> Scored:
+    """The top `settings.rerank` rows scored exactly (their windows too) and first in the ranking, and the
+    projected-vs-exact self-check on a seeded sample."""
+    projector = grads.capture.projector
+    basis = st.basis
+    proj_scale = None if basis.row_scale is None else basis.row_scale.copy()  # index-space norms, for the self-check
+    e, r = exact_directions(basis, q, exact_q, projector.site_dims(), exact_widths(grads.sites),
+                            settings.direction)
+    st = replace(st, rerank=replace(st.rerank, e=e, r=r))
+    n = rows.n
+    cand = candidates(st.scores.rank_agg, settings.rerank)
+    sample = fidelity_sample(n, settings.fidelity_sample, settings.seed)
+    need = np.union1d(cand, sample).astype(int)
+    block_sq = np.zeros((need.size, len(grads.sites))) if basis.row_scale is not None else None
+    ex = grads.exact_inner(e, need.tolist(), block_sq)
+    if r is not None:
+        ex = ex + rows.subset(need).inner(r.astype(np.float32))
+    exact_scale = None
+    if block_sq is not None:
+        # each row's exact norm in the preconditioner's metric: its exact candidates' scores, windows and spans
+        # are scaled by it (the other rows keep their index-space norm)
+        exact_scale = exact_row_scales(basis.precond, block_sq, rows.subset(need), projector.site_dims())
+        ex = (ex * exact_scale[None, :]).astype(np.float32)
+    col = {int(p): j for j, p in enumerate(need)}
+    if cand.size:
+        cols = [col[int(p)] for p in cand]
+        if exact_scale is not None:
+            rs = basis.row_scale.copy()
+            rs[cand] = exact_scale[cols]
+            st = replace(st, basis=replace(basis, row_scale=rs))
+        st = put_exact_items(st, cand, ex[:, cols])
+        exact_agg = aggregate(ex[:, cols])
+        if settings.windows:
+            st, exact_agg = candidate_windows_exact(grads, st, projector, cand, exact_agg)
+        st = put_exact_order(st, cand, exact_agg)
+    if sample.size >= 2:
+        ex_s = ex[:, [col[int(p)] for p in sample]]
+        proj_s = item_scores(rows.subset(sample).inner(basis.unit), settings.direction)
+        if proj_scale is not None:
+            proj_s = proj_s * proj_scale[sample][None, :]
+        fid = self_check(ex_s, proj_s, sample, st.scores.order, n, q.shape[0], int(cand.size))
+        st = replace(st, rerank=replace(st.rerank, fidelity=fid))
+    return st
+
+
+def candidate_windows_exact(grads: ModelGradients, st: Scored, projector, cand: np.ndarray,
+                            exact_agg: np.ndarray) -> tuple[Scored, np.ndarray]:
+    """The best windows of the long candidates along their exact directions (`parameter_directions`); returns
+    `st` with them and the candidates' aggregate ranking scores."""
+    # in row order, not the candidates' order: which rows share a forward batch (the last bits of their
+    # contributions) then does not depend on the projected scores that ordered the candidates
+    long_c = sorted(int(p) for p in cand if win.is_long(grads.toks[int(p)]))
+    if not long_c:
+        return st, exact_agg
+    t0 = time.time()
+    dirs = parameter_directions(st.basis, st.rerank, projector, exact_part=True)
+    item_rows = set(st.windows.item_rows)
+    jobs_rows = [p for p in long_c if p in item_rows]
+    res = scaled_contributions(st.basis, grads.contributions(dirs, jobs_rows)) if jobs_rows else {}
+    agg_only = [p for p in long_c if p not in item_rows]
+    res_agg = scaled_contributions(st.basis, grads.contributions(dirs.mean(), agg_only)) if agg_only else {}
+    st, out = win.candidate_windows(st, cand, long_c, res, res_agg, exact_agg, st.scores.n_items)
+    grads.timings["windows"] = round(grads.timings.get("windows", 0.0) + time.time() - t0, 3)
+    return st, out

@@ -212,13 +212,11 @@ def resolve_states(asked: StatesAsked, adapter_path: str) -> tuple[AdapterStates
                       "the adapter)"))
     n = asked.checkpoints
     if n == "earliest" and not asked.explicit:
-        saved = ck_.without_final(ck_.saved_adapters(adapter_path), adapter_path)
-        return (OneState.earliest(saved[0], n) if saved else OneState.final(n)), flags
-    paths, labels, more = ck_.resolve(n, asked.explicit, adapter_path, asked.replay)
-    flags += more
-    if not paths:
+        first = ck_.earliest_saved(adapter_path)
+        return (OneState.earliest(first, n) if first is not None else OneState.final(n)), flags
+    got = ck_.earlier_states(n, asked.explicit, adapter_path, asked.replay)
+    flags += got.flags
+    if not got.paths:
         return OneState.final(n), flags
-    weights, weights_source = ck_.checkpoint_weights(adapter_path, paths)
-    earlier = tuple(State(str(p), label) for p, label in zip(paths, labels))
-    return TracInAverage(earlier, weights, weights_source, ck_.source_of(bool(asked.explicit), paths, adapter_path),
-                         n), flags
+    earlier = tuple(State(str(p), label) for p, label in zip(got.paths, got.labels))
+    return TracInAverage(earlier, got.weights, got.weights_source, got.source, n), flags

@@ -24,12 +24,6 @@ _LABELS = {
 }
 
 
-def _location(cfg, value):
-    from ..setup.records import data_location
-
-    return data_location(cfg, value)
-
-
 def _owner(e: GradianError, default: str) -> str:
     return e.check or ("config.paths" if isinstance(e, ConfigError) else default)
 
@@ -69,12 +63,12 @@ class Context:
         """Reuse what `open_session` already loaded (data, tokenizer, model, sites)."""
         ctx = cls(s.cfg)
         m = ctx._memo
-        m["train_path"] = (_location(s.cfg, s.cfg.data.train), None)
+        m["train_path"] = (s.train_location, None)
         m["train_rows"] = ([(e.record, e.source) for e in s.examples], None)
         m["train_parse"] = ((s.examples, [], []), None)
         m["examples"] = (s.examples, None)
         if s.eval_items is not None:
-            m["eval_path"] = (_location(s.cfg, s.cfg.data.eval), None)
+            m["eval_path"] = (s.eval_location, None)
             m["eval_rows"] = ([({}, it.source) for it in s.eval_items], None)
             m["eval_parse"] = ((s.eval_items, None), None)
         m["tokenizer"] = (s.tokenizer, None)

@@ -23,7 +23,8 @@ import torch
 
 from ..config import Config
 from ..errors import ModelError
-from ..runtime import configure_threads, resolve_device
+from ..distributed import current
+from ..runtime import configure_threads
 
 # On AVX512-BF16 CPUs bitsandbytes (imported by PEFT whenever it is installed) tries an optional hub kernel package
 # and logs its absence; the portable path is used either way (`_fixed_bnb_path`), so that line is noise.
@@ -282,7 +283,22 @@ def check_causal(cfg: Config, mcfg) -> None:
 
 
 def device_of(cfg: Config) -> torch.device:
-    return resolve_device(cfg.model.device)
+    """`model.device` resolved: `auto` picks CUDA, else CPU. MPS only when named: its kernels are not deterministic
+    enough to be a default. Under torchrun on CUDA each rank takes its own GPU (`cuda:LOCAL_RANK`) for `auto` and
+    `cuda`. Here, beside the loader that places the model, because nothing else asks."""
+    name = cfg.model.device
+    r = current()
+    if r.active and name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device(f"cuda:{r.local_rank}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"model.device is '{name}' but CUDA is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
+    if name == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ModelError("model.device is 'mps' but MPS is not available here; use 'auto' or 'cpu'",
+                         check="device.unavailable")
+    return torch.device(name)
 
 
 QUANT_EXTRA = "pip install 'gradian[quant]'"

@@ -20,7 +20,7 @@ from .model import (
     ADAPTER_NAME, LoraSite, add_adapter, adapter_ref, drop_adapter, load_model, load_tokenizer, lora_sites,
     no_sites_error, use_adapter,
 )
-from .records import EvalItem, Example, data_location, load_eval, load_train
+from .records import DataLocation, EvalItem, Example, data_location, load_eval, load_train
 from .tokenize import Tokenized, tokenize_example, uses_chat
 
 
@@ -40,6 +40,10 @@ class Session:
     log: RunLog = field(default_factory=RunLog)  # report flags, stage lines and seconds (wall and CPU) per stage
     metric: Optional[Metric] = None  # evaluation.metric resolved (a Python metric imported)
     _toks: Optional[list[Tokenized]] = None
+    # data.train / data.eval as `records.data_location` resolved them when they were read (the setup checks reuse
+    # them: the place read is the place checked); None where nothing was read
+    train_location: Optional[DataLocation] = None
+    eval_location: Optional[DataLocation] = None
 
     def __post_init__(self):
         if self.metric is None:
@@ -88,7 +92,8 @@ class Session:
                     raise no_sites_error(path, self.cfg.grads.module_filter, skipped)
                 # the same run log: what a stage at this checkpoint raises and takes is the run's
                 view = Session(self.cfg, self.tokenizer, self.examples, self.eval_items, self.model, sites, skipped,
-                               str(path), self.chat, log=self.log, metric=self.metric, _toks=self.toks)
+                               str(path), self.chat, log=self.log, metric=self.metric, _toks=self.toks,
+                               train_location=self.train_location, eval_location=self.eval_location)
                 yield view
         finally:
             drop_adapter(self.model, name)
@@ -114,10 +119,11 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
     configure_threads(cfg.model.threads)
     seed_everything(cfg.seed)
     t0 = time.time()
-    examples = load_train(data_location(cfg, cfg.data.train))
+    train_at = data_location(cfg, cfg.data.train)
+    examples = load_train(train_at)
     metric = metric_from_config(cfg)  # a Python metric is imported here: a failing import stops before any work
-    eval_items = (load_eval(data_location(cfg, cfg.data.eval), need_answer=metric.needs_answer)
-                  if (cfg.data.eval and need_eval) else None)
+    eval_at = data_location(cfg, cfg.data.eval) if (cfg.data.eval and need_eval) else None
+    eval_items = load_eval(eval_at, need_answer=metric.needs_answer) if eval_at is not None else None
     if eval_items:
         metric.check_items(eval_items)
     tok = load_tokenizer(cfg)
@@ -129,6 +135,6 @@ def open_session(cfg: Config, *, need_eval: bool = True, load_model_: bool = Tru
         if not sites:
             raise no_sites_error(adapter, cfg.grads.module_filter, skipped)
     s = Session(cfg, tok, examples, eval_items, model, sites, skipped, str(adapter), uses_chat(examples),
-                metric=metric)
+                metric=metric, train_location=train_at, eval_location=eval_at)
     s.log.timings["load"] = round(time.time() - t0, 3)
     return s

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -78,13 +78,23 @@ def make_projector(cfg: Config, sites: Sequence[LoraSite], rows: int = 0) -> Pro
                      g.projection_seed, fit_rows=g.projection_fit_rows)
 
 
-def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str) -> str:
-    """Model, adapter and every setting the vectors depend on. Data is not in it: rows are keyed by content."""
+def model_fingerprints(cfg: Config, adapter_path: str) -> tuple[str, str]:
+    """(base, adapter): the content fingerprints of the model's directories, read once per index opened (its key and
+    its manifest both name them)."""
+    base = cfg.local_or_hub(cfg.model.base)
+    return dir_fingerprint(base), dir_fingerprint(adapter_path)
+
+
+def cache_key(cfg: Config, sites: Sequence[LoraSite], projector: Projector, adapter_path: str,
+              fingerprints: Optional[tuple[str, str]] = None) -> str:
+    """Model, adapter and every setting the vectors depend on. Data is not in it: rows are keyed by content.
+    `fingerprints`: `model_fingerprints` when the caller has them already."""
     g = cfg.grads
+    base_fp, adapter_fp = fingerprints or model_fingerprints(cfg, adapter_path)
     payload = {
         "v": GRADIENT_VERSION,
-        "base": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
-        "adapter": dir_fingerprint(adapter_path),
+        "base": base_fp,
+        "adapter": adapter_fp,
         "dtype": cfg.model.dtype,
         # gradients through a quantized base differ from the full-precision ones (absent for none: old keys hold)
         **({"quantization": cfg.model.quantization} if cfg.model.quantization != "none" else {}),
@@ -309,11 +319,12 @@ def open_index(cfg: Config, model, sites: Sequence[LoraSite], toks: Sequence[Tok
     choice = projection_choice(cfg, sites, len(toks))
     proj = make_projector(cfg, sites, len(toks))
     capture = GradientCapture(model, sites, proj, chunk=cfg.grads.loss_chunk_tokens)
-    key = cache_key(cfg, sites, proj, adapter_path)
+    fingerprints = model_fingerprints(cfg, adapter_path)
+    key = cache_key(cfg, sites, proj, adapter_path, fingerprints)
     meta = {
         "base": cfg.model.base, "adapter": adapter_path,
-        "base_fingerprint": dir_fingerprint(cfg.local_or_hub(cfg.model.base)),
-        "adapter_fingerprint": dir_fingerprint(adapter_path),
+        "base_fingerprint": fingerprints[0],
+        "adapter_fingerprint": fingerprints[1],
         "sites": [{"name": x.name, "r": x.r, "d_in": x.d_in, "d_out": x.d_out} for x in sites],
         "block_dims": proj.site_dims(), "projection": proj.describe(),
         "grads": cfg.grads.model_dump(mode="json"),

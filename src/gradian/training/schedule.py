@@ -8,8 +8,6 @@ per-step record was kept.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -36,22 +34,4 @@ def step_rates(name: str, learning_rate: float, *, warmup_steps: int, total_step
         out.append(float(opt.param_groups[0]["lr"]))
         opt.step()
         sched.step()
-    return out
-
-
-def interval_means(rates: Sequence[float], steps: Sequence[int]) -> list[float]:
-    """Mean learning rate of the steps each checkpoint stands for: checkpoint i, saved after step `steps[i]`
-    (ascending), covers steps (steps[i-1], steps[i]] (the first from step 1). With a constant rate every mean is that
-    rate, whatever the spacing."""
-    out, prev = [], 0
-    for t in steps:
-        t = int(t)
-        seg = list(rates[prev:t]) if t > prev else []
-        if not seg:  # a checkpoint past the recorded steps, or two at one step: the nearest recorded rate
-            seg = [rates[min(max(t, 1), len(rates)) - 1]] if len(rates) else []
-        if not seg:
-            out.append(float("nan"))
-        else:  # an exactly constant stretch keeps its rate bit for bit (sum / n can round it)
-            out.append(float(seg[0]) if all(x == seg[0] for x in seg) else float(sum(seg) / len(seg)))
-        prev = max(prev, t)
     return out
