@@ -4,6 +4,7 @@
     .venv/bin/python bench/accused_rule.py --smoke           # the tiny scenario of bench/_smoke.py (seconds)
     .venv/bin/python bench/accused_rule.py --reference-sweep RUN   # also: AUPRC by reference rows and their seed
     .venv/bin/python bench/accused_rule.py --controls RUN          # also: the candidate rule with control items
+    .venv/bin/python bench/accused_rule.py --ceiling RUN           # also: could any count over the ranking meet the bar
 
 Each RUN is a scenario directory with gradian.yaml and truth.json (its adapter trained). The per-item ranking
 scores come from `bench/combine_items.py`'s `rank_item` (computed once by `attribute`'s own stages, then read from
@@ -142,6 +143,32 @@ def reference_sweep(run: Path, sizes=(128, 256, 512, 1024), seeds=(0, 1, 2, 3, 4
     return out
 
 
+def ceiling(run: Path, most: int = 100) -> dict:
+    """Whether any accusation rule could meet issue 42's bar on this run's ranking: per statistic (the max item z
+    the report ranks by, the scan statistic the rule reads), the smallest count k such that the top k rows are at
+    least 90 % planted or co-causes and hold at least 75 % of the moved planted rows (None: no k up to `most`
+    does; then no count rule over that ranking can, and the ranking must change)."""
+    from gradian.attribution.accused import scan
+    from gradian.attribution.scoring import item_z
+
+    per, _ = rank_item(run)
+    meta = json.loads((run / "combine" / "meta.json").read_text())
+    truth = json.loads((run / "truth.json").read_text())
+    planted, moved = set(truth["planted"]), set(moved_rows(truth, meta))
+    good = planted | set(truth.get("wrong_value_rows", []))
+    z = item_z(per.astype(np.float64))
+    out = {"moved": len(moved)}
+    for name, stat in (("max_z", z.max(0)), ("scan", scan(z)[0])):
+        order = np.lexsort((np.arange(stat.size), -stat))
+        out[name] = None
+        for k in range(1, min(most, stat.size) + 1):
+            top = set(order[:k].tolist())
+            if moved and len(top & good) >= 0.9 * k and len(top & moved) >= 0.75 * len(moved):
+                out[name] = k
+                break
+    return out
+
+
 def controls(run: Path) -> Optional[dict]:
     """The rule with control items (a candidate, not shipped): each row's robust z on the failing items less its
     level on the control items (`combine_items.control_item`: the items both models pass, the fine-tune's own
@@ -191,6 +218,8 @@ def main() -> None:
     ap.add_argument("--controls", action="store_true",
                     help="per RUN, also the candidate rule with control items (the items both models pass; "
                          "`controls`): scores them once (a scoring pass), kept in RUN/combine/ctrl_item.npy")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="per RUN, also the smallest top-k of each ranking that meets issue 42's bar (`ceiling`)")
     args = ap.parse_args()
     if args.smoke:
         from _smoke import tiny_run
@@ -204,6 +233,8 @@ def main() -> None:
             res[run.resolve().name] = measure(run.resolve())
             if args.reference_sweep or args.smoke:
                 res[run.resolve().name]["reference_sweep"] = reference_sweep(run.resolve())
+            if args.ceiling or args.smoke:
+                res[run.resolve().name]["ceiling"] = ceiling(run.resolve())
             if args.controls or args.smoke:
                 res[run.resolve().name]["controls"] = controls(run.resolve())
         except SystemExit as e:  # a declined run: nothing ranked, nobody accused
@@ -228,6 +259,14 @@ def main() -> None:
             print(f"\n{name}: AUPRC of the moved planted rows by reference rows (seeds 0-4): " +
                   "; ".join(f"{k}: {', '.join('n/a' if x is None else f'{x:.3f}' for x in v)}"
                             for k, v in r["reference_sweep"].items()))
+    ceil = {name: r["ceiling"] for name, r in res.items() if r.get("ceiling")}
+    if ceil:
+        print("\n| run | smallest top-k with >= 90 % planted or co-causes and >= 75 % of the moved planted: max z | "
+              "scan |")
+        print("|---|---|---|")
+        for name, c in ceil.items():
+            print(f"| {name} | " + " | ".join("n/a (no moved row)" if not c["moved"] else str(c[k] or "none")
+                                              for k in ("max_z", "scan")) + " |")
     ctl = {name: r["controls"] for name, r in res.items() if r.get("controls")}
     if ctl:
         print("\n| run | control items | AUPRC max z: before / after | AUPRC scan: before / after | "
