@@ -230,3 +230,46 @@ def test_attribute_ranks_a_tiny_conversation_set_by_exchange(tmp_path):
     assert a_turn >= a_whole and a_turn >= 0.75, (a_turn, a_whole)
     acc = by_turn["accused"]["positions"]
     assert acc and set(acc) <= set(planted)
+
+
+def test_token_parts_bound_the_padded_tokens():
+    """`token_parts` cuts a batch where rows x its longest row would pass the bound; a row longer than the bound is
+    a batch of its own; without a bound (or under it) the batches are those of `batch_size` alone."""
+    from gradian.setup.batches import token_parts
+    from gradian.setup.tokenize import Tokenized
+
+    toks = [Tokenized([1] * n, [True] * n, "") for n in (10, 10, 10, 30, 30, 100, 5, 5)]
+    pos = list(range(len(toks)))
+    assert token_parts(toks, pos, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert token_parts(toks, pos, 3, max_tokens=10_000) == token_parts(toks, pos, 3)
+    parts = token_parts(toks, pos, 3, max_tokens=60)
+    assert parts == [[0, 1, 2], [3, 4], [5], [6, 7]]
+    assert sorted(p for part in parts for p in part) == pos  # every row once, in the order given
+    for part in parts:
+        assert len(part) == 1 or len(part) * max(len(toks[p].input_ids) for p in part) <= 60
+
+
+def test_a_token_bound_cuts_batches_not_scores(demo, monkeypatch):
+    """A backward budget small enough to cut the demo's batches (rows of a few tokens each) differentiates the rows
+    in more, smaller batches: each row's exact gradient is its own, so the scores match the uncut pass's and the
+    store, keyed by the bound, is not shared between the two."""
+    from gradian.attribution.one_pass import score_one_pass
+    from gradian.grads import budget
+
+    s, _, qitems, direction, _ = demo
+    grads = _grads(s)
+    default = grads.max_batch_tokens
+    assert default > grads.batch_size * max(len(t.input_ids) for t in s.toks)  # the demo's batches are never cut
+    uncut, _ = score_one_pass(grads, qitems, _settings(s, direction))
+    per_token = budget.backward_bytes_per_token(grads.model, grads.sites)
+    longest = max(len(t.input_ids) for t in s.toks)
+    monkeypatch.setattr(budget, "BACKWARD_BYTES", per_token * 2 * longest)
+    assert grads.max_batch_tokens == 2 * longest
+    parts = grads.parts(list(range(len(s.toks))))
+    assert max(len(p) for p in parts) <= 2 and len(parts) > len(s.toks) // grads.batch_size
+    from gradian.attribution.row_pass import exact_batches
+
+    some = list(range(12))
+    assert [part for _, part, _, _ in exact_batches(grads, some, "cut")] == grads.parts(some)  # what is run
+    cut, _ = score_one_pass(grads, qitems, _settings(s, direction))
+    np.testing.assert_allclose(cut.scores.per_item, uncut.scores.per_item, rtol=1e-4, atol=1e-6)

@@ -100,6 +100,19 @@ class ModelGradients:
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else 0
 
+    @property
+    def max_batch_tokens(self) -> int:
+        """The padded tokens one per-example backward of the pass may hold (`grads.budget`)."""
+        from ..grads.budget import max_batch_tokens
+
+        return max_batch_tokens(self.model, self.sites)
+
+    def parts(self, positions) -> list[list[int]]:
+        """`positions` (in the order given) in the batches the pass differentiates them in (`token_parts`)."""
+        from ..setup.batches import token_parts
+
+        return token_parts(self.toks, positions, self.batch_size, self.max_batch_tokens)
+
     def exact(self) -> GradientCapture:
         """A capture of this adapter with no projection (parameter space)."""
         if self._exact is None:

@@ -4,8 +4,9 @@ once), and every row reduced on the spot to a part of the store (`store.rowstore
 unit queries, its norm in the preconditioner's metric, a sketch of its unit row in that metric (a later question
 shortlists by it, `attribution.shortlist`) and a unit CountSketch (what clusters group on).
 
-Batches are formed as always (`setup.batches.owned_batches`: by length, then position), so a pass resumed from the
-store recomputes exactly the batches it lacks and every row keeps its bits. Under torchrun batch j is rank j % N's
+Batches are formed as always (`setup.batches.owned_batches`: by length, then position), cut where they would hold
+more padded tokens than one backward may (`ModelGradients.max_batch_tokens`, `grads.budget`: long conversations),
+so a pass resumed from the store recomputes exactly the batches it lacks and every row keeps its bits. Under torchrun batch j is rank j % N's
 and the results are gathered, so every rank holds one process's bits (`distributed.gather_by_index`).
 """
 
@@ -66,7 +67,8 @@ def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[S
     device = next(grads.model.parameters()).device
     with progress_bar(label, total=len(positions), split=True) as bar:
         for j, part, ids, attn, sup in owned_batches(toks, list(positions), grads.batch_size, grads.pad_id, device,
-                                                     current().owns):
+                                                     current().owns,
+                                                     max_tokens=grads.max_batch_tokens):
             if j in skip:
                 bar.advance(len(part))
                 continue
@@ -292,7 +294,7 @@ def streamed_parts(grads, store, reducer: Reducer, streamed: Sequence[int], turn
     not computed again); no gradient is kept past its batch, but the reference rows' (`ref`), written to the
     store's ref file."""
     done = store.done()
-    n_batches = -(-len(streamed) // grads.batch_size)
+    n_batches = len(grads.parts(streamed))
     groups = [list(range(g, min(n_batches, g + PART_BATCHES))) for g in range(0, n_batches, PART_BATCHES)]
     skip = frozenset(j for g in groups if f"s{g[0]}" in done for j in g)
     got: dict = {}

@@ -204,7 +204,8 @@ def store_of(grads: ModelGradients, settings: ScoringSettings, turns) -> tuple[O
             "preconditioner": settings.preconditioner, "damping": settings.damping, "unit_rows": settings.unit_rows,
             "exchanges": turns is not None, "seed": settings.seed, "held_bytes": DEFAULT_HELD_BYTES,
             "ref_bytes": REF_BYTES,
-            "sketches": [SKETCH_DIM, STORE_SKETCH_DIM], "batch_size": grads.batch_size, "chunk": grads.chunk}
+            "sketches": [SKETCH_DIM, STORE_SKETCH_DIM], "batch_size": grads.batch_size, "chunk": grads.chunk,
+            "batch_tokens": grads.max_batch_tokens}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
     return (Path(where) / f"rows-{key}" if keep else None), key
 

@@ -44,15 +44,36 @@ def batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int
         yield part, ids, attn, sup
 
 
-def owned_batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int, pad_id: int, device=None,
-                  owned: Optional[Callable[[int], bool]] = None):
-    """(j, positions, input_ids, attention_mask, supervised) for the batches j of `batches` that `owned(j)` keeps
-    (under torchrun: this rank's, `distributed.Ranks.owns`); the others are not even padded."""
+def token_parts(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int,
+                max_tokens: Optional[int] = None) -> list[list[int]]:
+    """`positions` in the order given, cut into batches of at most `batch_size` rows and, with `max_tokens`, at most
+    that many padded tokens (rows x the batch's longest row; a row longer than that is a batch of its own). Why a
+    token bound: a backward's memory grows with the padded tokens it holds, so eight long conversations take several
+    times the memory of eight short rows (`gradian.memory.backward_bytes_per_token`). Without it, or where no batch
+    reaches it, the batches are those of `batch_size` alone."""
     pos = list(positions)
-    for j, s in enumerate(range(0, len(pos), batch_size)):
+    if not max_tokens:
+        return [pos[s : s + batch_size] for s in range(0, len(pos), batch_size)]
+    out, part, longest = [], [], 0
+    for p in pos:
+        n = len(toks[p].input_ids)
+        if part and (len(part) >= batch_size or (len(part) + 1) * max(longest, n) > max_tokens):
+            out.append(part)
+            part, longest = [], 0
+        part.append(p)
+        longest = max(longest, n)
+    if part:
+        out.append(part)
+    return out
+
+
+def owned_batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int, pad_id: int, device=None,
+                  owned: Optional[Callable[[int], bool]] = None, max_tokens: Optional[int] = None):
+    """(j, positions, input_ids, attention_mask, supervised) for the batches j of `token_parts` that `owned(j)`
+    keeps (under torchrun: this rank's, `distributed.Ranks.owns`); the others are not even padded."""
+    for j, part in enumerate(token_parts(toks, positions, batch_size, max_tokens)):
         if owned is not None and not owned(j):
             continue
-        part = pos[s : s + batch_size]
         ids, attn, sup = collate([toks[i] for i in part], pad_id)
         if device is not None:
             ids, attn, sup = ids.to(device), attn.to(device), sup.to(device)
