@@ -208,6 +208,16 @@ def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def table(res: dict, key: str, header: list[str], cells) -> None:
+    """A markdown table of each run's `key` entry (runs without one left out): `cells(entry)` its cells."""
+    got = {name: r[key] for name, r in res.items() if r.get(key)}
+    if got:
+        print("\n| run | " + " | ".join(header) + " |")
+        print("|---|" + "---|" * len(header))
+        for name, c in got.items():
+            print(f"| {name} | " + " | ".join(cells(c)) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", type=Path)
@@ -259,24 +269,15 @@ def main() -> None:
             print(f"\n{name}: AUPRC of the moved planted rows by reference rows (seeds 0-4): " +
                   "; ".join(f"{k}: {', '.join('n/a' if x is None else f'{x:.3f}' for x in v)}"
                             for k, v in r["reference_sweep"].items()))
-    ceil = {name: r["ceiling"] for name, r in res.items() if r.get("ceiling")}
-    if ceil:
-        print("\n| run | smallest top-k with >= 90 % planted or co-causes and >= 75 % of the moved planted: max z | "
-              "scan |")
-        print("|---|---|---|")
-        for name, c in ceil.items():
-            print(f"| {name} | " + " | ".join("n/a (no moved row)" if not c["moved"] else str(c[k] or "none")
-                                              for k in ("max_z", "scan")) + " |")
-    ctl = {name: r["controls"] for name, r in res.items() if r.get("controls")}
-    if ctl:
-        print("\n| run | control items | AUPRC max z: before / after | AUPRC scan: before / after | "
-              "accused with controls: planted+co-cause/total | moved recall | drop p |")
-        print("|---|---|---|---|---|---|---|")
-        for name, c in ctl.items():
-            a = c["accused"]
-            print(f"| {name} | {c['controls']} | {fmt(c['auprc_max_before'])} / {fmt(c['auprc_max_after'])} | "
-                  f"{fmt(c['auprc_scan_before'])} / {fmt(c['auprc_scan_after'])} | "
-                  f"{a['planted']}+{a['co_cause']}/{a['accused']} | {fmt(a['moved_recall'])} | {a['drop_p']:.1e} |")
+    table(res, "ceiling", ["smallest top-k with >= 90 % planted or co-causes and >= 75 % of the moved planted: max z",
+                           "scan"],
+          lambda c: ["n/a (no moved row)" if not c["moved"] else str(c[k] or "none") for k in ("max_z", "scan")])
+    table(res, "controls", ["control items", "AUPRC max z: before / after", "AUPRC scan: before / after",
+                            "accused with controls: planted+co-cause/total", "moved recall", "drop p"],
+          lambda c: [str(c["controls"]), f"{fmt(c['auprc_max_before'])} / {fmt(c['auprc_max_after'])}",
+                     f"{fmt(c['auprc_scan_before'])} / {fmt(c['auprc_scan_after'])}",
+                     f"{c['accused']['planted']}+{c['accused']['co_cause']}/{c['accused']['accused']}",
+                     fmt(c["accused"]["moved_recall"]), f"{c['accused']['drop_p']:.1e}"])
     print(json.dumps({"bench": "accused_rule", "results": res}))
 
 
