@@ -16,13 +16,14 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..grads.budget import max_batch_tokens as token_bound
 from ..grads.capture import GradientCapture
 from ..grads.layout import exact_widths, site_shapes
 from ..grads.tangents import token_contributions
 from ..progress import progress_bar
 from ..projection import Projector
 from ..distributed import current, gather_by_index
-from ..setup.batches import owned_batches
+from ..setup.batches import owned_batches, token_parts
 from . import directions as dirs_
 from .queries import query_vectors
 from .values import Basis
@@ -103,14 +104,10 @@ class ModelGradients:
     @property
     def max_batch_tokens(self) -> int:
         """The padded tokens one per-example backward of the pass may hold (`grads.budget`)."""
-        from ..grads.budget import max_batch_tokens
-
-        return max_batch_tokens(self.model, self.sites)
+        return token_bound(self.model, self.sites)
 
     def parts(self, positions) -> list[list[int]]:
         """`positions` (in the order given) in the batches the pass differentiates them in (`token_parts`)."""
-        from ..setup.batches import token_parts
-
         return token_parts(self.toks, positions, self.batch_size, self.max_batch_tokens)
 
     def exact(self) -> GradientCapture:

@@ -6,8 +6,9 @@ shortlists by it, `attribution.shortlist`) and a unit CountSketch (what clusters
 
 Batches are formed as always (`setup.batches.owned_batches`: by length, then position), cut where they would hold
 more padded tokens than one backward may (`ModelGradients.max_batch_tokens`, `grads.budget`: long conversations),
-so a pass resumed from the store recomputes exactly the batches it lacks and every row keeps its bits. Under torchrun batch j is rank j % N's
-and the results are gathered, so every rank holds one process's bits (`distributed.gather_by_index`).
+so a pass resumed from the store recomputes exactly the batches it lacks and every row keeps its bits. Under
+torchrun batch j is rank j % N's and the results are gathered, so every rank holds one process's bits
+(`distributed.gather_by_index`).
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[S
     device = next(grads.model.parameters()).device
     with progress_bar(label, total=len(positions), split=True) as bar:
         for j, part, ids, attn, sup in owned_batches(toks, list(positions), grads.batch_size, grads.pad_id, device,
-                                                     current().owns,
-                                                     max_tokens=grads.max_batch_tokens):
+                                                     current().owns, max_tokens=grads.max_batch_tokens):
             if j in skip:
                 bar.advance(len(part))
                 continue

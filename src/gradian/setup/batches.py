@@ -35,12 +35,7 @@ def batches(toks: Sequence[Tokenized], positions: Sequence[int], batch_size: int
             ) -> Iterator[tuple[list[int], "object", "object", "object"]]:
     """(positions, input_ids, attention_mask, supervised) per batch of `batch_size` of `positions` in the order
     given, right-padded (`collate`) and moved to `device` when given."""
-    pos = list(positions)
-    for s in range(0, len(pos), batch_size):
-        part = pos[s : s + batch_size]
-        ids, attn, sup = collate([toks[i] for i in part], pad_id)
-        if device is not None:
-            ids, attn, sup = ids.to(device), attn.to(device), sup.to(device)
+    for _, part, ids, attn, sup in owned_batches(toks, positions, batch_size, pad_id, device):
         yield part, ids, attn, sup
 
 
@@ -49,7 +44,7 @@ def token_parts(toks: Sequence[Tokenized], positions: Sequence[int], batch_size:
     """`positions` in the order given, cut into batches of at most `batch_size` rows and, with `max_tokens`, at most
     that many padded tokens (rows x the batch's longest row; a row longer than that is a batch of its own). Why a
     token bound: a backward's memory grows with the padded tokens it holds, so eight long conversations take several
-    times the memory of eight short rows (`gradian.memory.backward_bytes_per_token`). Without it, or where no batch
+    times the memory of eight short rows (`gradian.grads.budget`). Without it, or where no batch
     reaches it, the batches are those of `batch_size` alone."""
     pos = list(positions)
     if not max_tokens:
