@@ -21,9 +21,11 @@ The last line is one JSON object (`"schema": "gradian.bench.gpu_check/1"`).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,7 +71,9 @@ def overhead_child(spec: dict) -> dict:
 
     dev = spec["device"]
     tmpl = shape_run(ShapeSpec(**spec["shape_spec"]), RunSpec(rows=64, device=dev, dtype=spec["dtype"]))
-    s = open_session(load_config(write_shape_config(Path(tempfile.mkdtemp()), tmpl)), need_eval=False)
+    d = Path(tempfile.mkdtemp(prefix="gradian-gpu-check-"))
+    atexit.register(shutil.rmtree, d, True)  # the run's config and data, gone when the process ends
+    s = open_session(load_config(write_shape_config(d, tmpl)), need_eval=False)
     sync = (lambda: torch.cuda.synchronize()) if dev.startswith("cuda") else (lambda: None)
     toks, pad, bs = s.toks, s.pad_id, 8
     order = sorted(range(len(toks)), key=lambda i: (len(toks[i].input_ids), i))

@@ -628,28 +628,28 @@ def shape_overhead(reps: int, n_batches: int, shape=None, fit_rows: int = 512) -
 
     shape = shape or SMOLLM_135M
     tmpl = shape_run(shape, RunSpec())
-    d = Path(tempfile.mkdtemp(prefix="gradian-shape-overhead-"))
-    s = open_session(load_config(write_shape_config(d, tmpl)), need_eval=False)
-    torch.set_num_threads(1)
-    toks, pad, bs = s.toks, s.pad_id, s.cfg.grads.batch_size
-    shapes = site_shapes(s.sites)
-    exact = GradientCapture(s.model, s.sites, Projector(shapes))
-    proj = Projector(shapes, AUTO_WIDTH, "data-aware")
-    from gradian.setup.batches import collate
+    with tempfile.TemporaryDirectory(prefix="gradian-shape-overhead-") as d:  # the run's files, gone after
+        s = open_session(load_config(write_shape_config(Path(d), tmpl)), need_eval=False)
+        torch.set_num_threads(1)
+        toks, pad, bs = s.toks, s.pad_id, s.cfg.grads.batch_size
+        shapes = site_shapes(s.sites)
+        exact = GradientCapture(s.model, s.sites, Projector(shapes))
+        proj = Projector(shapes, AUTO_WIDTH, "data-aware")
+        from gradian.setup.batches import collate
 
-    fit = proj.fitter()
-    pos = basis_sample(toks, fit_rows, 0)
-    for _ in range(fit.passes):
-        for b in range(0, len(pos), bs):
-            it, _ = exact.iter_site_grads(*collate([toks[i] for i in pos[b : b + bs]], pad))
-            for i, (dA, dB) in it:
-                fit.update(i, dA, dB)
-        fit.end_pass()
-    proj.set_basis(fit.finish())
-    caps = {"exact": exact, f"data-aware_{AUTO_WIDTH}": GradientCapture(s.model, s.sites, proj)}
-    ov = measure_overhead(s.model, caps, toks, pad, bs, n_batches, reps)
-    ov["shape"] = {"name": shape.name, "sites": len(shapes), "exact_dim": sum(x.numel for x in shapes)}
-    return ov
+        fit = proj.fitter()
+        pos = basis_sample(toks, fit_rows, 0)
+        for _ in range(fit.passes):
+            for b in range(0, len(pos), bs):
+                it, _ = exact.iter_site_grads(*collate([toks[i] for i in pos[b : b + bs]], pad))
+                for i, (dA, dB) in it:
+                    fit.update(i, dA, dB)
+            fit.end_pass()
+        proj.set_basis(fit.finish())
+        caps = {"exact": exact, f"data-aware_{AUTO_WIDTH}": GradientCapture(s.model, s.sites, proj)}
+        ov = measure_overhead(s.model, caps, toks, pad, bs, n_batches, reps)
+        ov["shape"] = {"name": shape.name, "sites": len(shapes), "exact_dim": sum(x.numel for x in shapes)}
+        return ov
 
 
 def run_new_sections(out: dict, text: list, work: Path, args, sections: set) -> None:

@@ -178,9 +178,12 @@ def main(argv=None) -> int:
     torch.manual_seed(seed)
     init = get_peft_model(base, LoraConfig(r=hp["lora_r"], lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"],
                                            target_modules=hp["target_modules"], task_type="CAUSAL_LM"))
+    import atexit
+    import shutil
     import tempfile
 
-    tmp = Path(tempfile.mkdtemp())
+    tmp = Path(tempfile.mkdtemp(prefix="gradian-optimizer-aware-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the epoch-start adapters, gone when the process ends
     init.save_pretrained(tmp / "init")
     del init, base
     ck, epochs = replayed_adapters(cfg, s.adapter_path, E, progress=False)

@@ -44,10 +44,11 @@ def trl_rows(model, tok, recs, **sft):
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, max_length=512,
-                     dataset_num_proc=None, **sft)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(recs), processing_class=tok)
-    ds = trainer.train_dataset
+    with tempfile.TemporaryDirectory() as out:  # SFTTrainer wants an output dir; nothing is trained into it
+        args = SFTConfig(output_dir=out, report_to=[], use_cpu=True, max_length=512, dataset_num_proc=None, **sft)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(recs),
+                             processing_class=tok)
+        ds = trainer.train_dataset
     return [(list(r["input_ids"]), list(r["labels"])) for r in ds]
 
 
