@@ -116,6 +116,32 @@ def test_a_row_score_is_its_naive_gradient_against_the_query(demo):
     s.model.zero_grad(set_to_none=True)
 
 
+def test_a_smoke_test_ranks_rows_by_their_naive_gradient_norm(demo):
+    """No eval set: `row_pass.gradient_norms` streams the rows once (no index) and gives each its squared gradient
+    norm, and the rows their gradient agreement; both against plain backwards, one example at a time (every row)."""
+    from gradian.attribution.row_pass import gradient_norms
+    from gradian.checks.convergence import gradient_agreement
+    from gradian.grads.objectives import per_example_loss
+
+    s, *_ = demo
+    squared, agree = gradient_norms(_grads(s))
+    naive = []
+    for t in s.toks:
+        ids = torch.tensor([t.input_ids])
+        s.model.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            per_example_loss(s.model, ids, torch.ones_like(ids), torch.tensor([t.supervised])).sum().backward()
+        naive.append(torch.cat([torch.cat([x.A.weight.grad.flatten(), x.B.weight.grad.flatten()])
+                                for x in s.sites]).double().numpy())
+    s.model.zero_grad(set_to_none=True)
+    naive = np.stack(naive)
+    want = (naive * naive).sum(1)
+    np.testing.assert_allclose(squared, want, rtol=1e-3, atol=1e-6 * want.max())  # float32 batched vs one by one
+    assert squared.shape == (len(s.toks),) and np.unique(squared).size > len(s.toks) // 2  # not flat
+    ratio, n = gradient_agreement([naive])
+    assert agree[1] == n and agree[0] == pytest.approx(ratio, rel=1e-4)
+
+
 def test_a_conversation_is_ranked_by_its_best_exchange(demo):
     """Chat rows of several exchanges, every token trained: `per_item` stays the whole row's score, `rank_item` is
     the best exchange's unit score, each exchange's the naive reference (its positions' share of a plain backward,

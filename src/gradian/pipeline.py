@@ -27,12 +27,13 @@ from .attribution.indexed import score_index
 from .attribution.formulation import asked, own_words_row
 from .attribution.queries import loglik_flags, query_items, select_failing
 from .attribution.rerank import parameter_directions, rerank_order
+from .attribution.row_pass import gradient_norms
 from .attribution.scoring import aggregate, degenerate, rank, resolve_combine, strongest_items
 from .attribution.stage import Ranking, scores_for
 from .attribution.values import Scored
 from .attribution.windows import WINDOW_ROWS
 from .capability.evaluate import CapabilityResult, measure_capability
-from .checks.convergence import flag_from_agreement, flag_from_index
+from .checks.convergence import flag_from_agreement
 from .config import Config, dump_config
 from .distributed import current
 from .verdict import Verdict
@@ -147,13 +148,13 @@ def rank_stage(s: Session, outcome: Outcome, queries: Queries) -> Ranked:
     if outcome.verdict is Verdict.declined:
         return Ranked(None, None, None, None, None, None)
     if outcome.verdict is Verdict.smoke_test:
-        ix = index_stage(s)
-        try:
-            flag_from_index(s, ix.rows)  # train.not_converged without a recorded loss curve
-            scores = _self_influence(ix)
-            return Ranked(None, None, scores, scores, None, ix.info.summary())
-        finally:
-            ix.close()
+        # no query: the rows by their squared exact gradient norm, from one streamed pass (no index is built)
+        with s.log.stage("score"):
+            squared, agree = gradient_norms(gradients_of(s))
+        flag_from_agreement(s, lambda: agree)  # train.not_converged without a recorded loss curve
+        _no_supervised_flag(s)
+        scores = squared.astype(np.float32)
+        return Ranked(None, None, scores, scores, None, None)
     _no_supervised_flag(s)
     combine = resolve_combine(s.cfg.attribution.combine, [q.own_words for q in queries.items])
     with s.log.stage("score"):
@@ -387,12 +388,6 @@ def span_text(s: Session, q) -> str:
     by_pos = {it.position: it for it in s.eval_items}
     row, _ = own_words_row(s.tokenizer, by_pos[q.item], q, chat=s.chat, max_len=s.cfg.grads.max_seq_length)
     return s.tokenizer.decode([t for t, m in zip(row.input_ids, row.supervised) if m], skip_special_tokens=True)
-
-
-def _self_influence(ix: OpenIndex) -> np.ndarray:
-    """Smoke test (no eval set): each row's squared gradient norm, the rows most unlike the rest."""
-    sq = {k: float(v) for keys, block in ix.index.iter_shards() for k, v in zip(keys, np.square(block).sum(1))}
-    return np.array([sq[k] for k in ix.row_keys], dtype=np.float32)
 
 
 def _write(cfg: Config, report: dict, scores: Optional[np.ndarray], totals: Optional[np.ndarray]) -> None:

@@ -415,8 +415,9 @@ class Report(_Model):
     """report.json as `gradian attribute` writes it (schema id ``gradian.report/1``).
 
     Shapes by verdict: ``attributed`` has everything; ``declined`` has a capability but no index (null), an empty
-    ranking, no windows, clusters_info or blame; ``smoke_test`` (no eval set) has a null capability, an index and
-    a ranking of the rows with the largest gradients, but no per-row verdicts, clusters or spans."""
+    ranking, no windows, clusters_info or blame; ``smoke_test`` (no eval set) has a null capability and index (one
+    streamed pass, no index built) and a ranking of the rows with the largest gradients, but no per-row verdicts,
+    clusters or spans."""
 
     schema_id: Literal["gradian.report/1"] = Field(alias="schema", description="Schema id of this report.")
     # not strict: a Python str ("declined", from a dict) validates to the member as a JSON string does
@@ -427,7 +428,9 @@ class Report(_Model):
     settings: dict[str, Any] = Field(description="The resolved config (without `root`).")
     capability: Optional[Capability] = Field(description="The capability delta; null for a smoke test.")
     query: Query
-    index: Optional[IndexSummary] = Field(description="The gradient index; null when declined.")
+    index: Optional[IndexSummary] = Field(description="The gradient index the scores were read from; null when none "
+                                          "was (declined, a smoke test, and the one pass: `scoring` says how the rows "
+                                          "were scored).")
     windows: Windows = _absent("Attributed only.")
     ranking: list[RankingRow] = Field(description="Top `attribution.top_k` rows in rank order (empty when declined).")
     accused: Accused = _absent("The accused rows (absent in reports written before the accused rule).")
