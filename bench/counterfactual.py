@@ -10,6 +10,7 @@ place as `verify` does it) three times, each time without one set of rows, and r
 * ``unplanted``: the accused rows the scenario did not plant;
 * ``planted``: the planted rows (all of them, accused or not);
 * ``random``: as many random rows as ``unplanted``, drawn from the rows that are neither accused nor planted;
+* ``given``: the rows of ``--rows`` (e.g. a top row that the truth does not list);
 * ``gradian``, ``bm25``, ``bm25_question``, ``repsim``: each method's top ``--k`` rows (default: as many as planted)
   on the report's failing items (Gradian's ranking from ``scores.npy``; the baselines of
   ``gradian.explain.baselines``): where the planted truth is disputed, the removal that repairs more broken items
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out", help="the run's report directory (relative to --run)")
     ap.add_argument("--k", type=int, default=0, help="rows per method's top-k set (0: as many as planted)")
+    ap.add_argument("--rows", default="",
+                    help="comma-separated row positions: the set 'given' (add it to --sets) retrains without them, "
+                         "e.g. a top row the truth does not list")
     ap.add_argument("--train-seed", type=int, default=None,
                     help="retrain every set and the whole set ('full') under this data-order seed")
     ap.add_argument("--sets-only", action="store_true",
@@ -90,6 +94,9 @@ def main() -> None:
     sets = {"unplanted": unplanted, "planted": planted,
             "random": sorted(int(x) for x in rng.choice(pool, size=len(unplanted), replace=False))}
     wanted = [x for x in args.sets.split(",") if x]
+    if args.rows:
+        sets["given"] = sorted({int(x) for x in args.rows.split(",") if x.strip()})
+        wanted = wanted if "given" in wanted else wanted + ["given"]
     k = args.k or len(planted)
     if "gradian" in wanted:
         sets["gradian"] = top_k(np.load(run / args.out / "scores.npy"), k)
