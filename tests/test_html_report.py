@@ -211,6 +211,36 @@ def test_smoke_test_banner(sample):
     assert "Smoke test: evaluation.require_significant is false" in html
 
 
+def test_the_ranking_says_what_its_rows_are(sample):
+    """A smoke test's rows are its largest gradients: neither the page nor the terminal says they pushed the model
+    toward anything; an attributed run's do, toward the failure (a regression) or the fixed answers (an
+    improvement)."""
+    import io
+
+    from rich.console import Console
+
+    from gradian.report.read import report_from
+    from gradian.report.terminal import print_summary
+
+    def shown(r: dict) -> tuple[str, str]:
+        out = io.StringIO()
+        print_summary(report_from(r), Console(file=out, width=300))
+        return render_html(r), out.getvalue()
+
+    for text in shown(smoke(sample)):
+        assert "pushed the model" not in text
+        assert "largest gradients" in text
+    no_index = dict(smoke(sample), index=None)  # the one pass and a smoke test build no index
+    assert f"of {sample['scores_summary']['n']} training rows" in render_html(no_index)
+    html, term = shown(sample)
+    assert "pushed the model toward the failure on the failing items" in html
+    assert "training rows that pushed the model toward the failure" in term
+    fixed = copy.deepcopy(sample)
+    fixed["query"]["direction"] = "improvement"
+    html, term = shown(fixed)
+    assert "toward the answers the fine-tune fixed on the fixed items" in html and "the failure" not in term
+
+
 def test_minimal_and_sparse_reports_render():
     html = render_html(minimal())
     assert "Declined: no attribution" in html

@@ -136,6 +136,7 @@ def test_smoke_test_report_validates(reports):
     # the rows by their exact gradient norm, from one streamed pass: no index is built
     assert m.verdict == "smoke_test" and m.capability is None and m.index is None
     assert m.ranking and all(row.verdict is None for row in m.ranking)
+    assert all(row.accused is False for row in m.ranking)  # a row without the flag reads as accused (old reports)
     assert m.query.items == [] and m.query.direction == ""
     assert m.blame is None and m.windows is None
 

@@ -204,10 +204,10 @@ def explain_stage(s: Session, outcome: Outcome, queries: Queries, ranked: Ranked
     ranking, scores = ranked.ranking, ranked.scores
     order = ranked.order if ranked.order is not None else rank(scores)
     if ranking is None:  # smoke test
+        none = nobody("a smoke test (no eval set): the ranking shows gradient outliers, not causes")
         with s.log.stage("base_scores"):
-            rows = rank_rows(s, order, ranked.totals, scores, None)
-        return Explanation(tuple(rows), nobody("a smoke test (no eval set): the ranking shows gradient outliers, not "
-                                               "causes"), (), (), None, None, (), scores, ranked.totals)
+            rows = rank_rows(s, order, ranked.totals, scores, None, none)  # each row: accused false
+        return Explanation(tuple(rows), none, (), (), None, None, (), scores, ranked.totals)
     accused = accuse(ranking.scored.scores.rank_item, [q.item for q in queries.items], limit=cfg.attribution.top_k)
     with s.log.stage("base_scores"):
         rows = rank_rows(s, order, ranked.totals, scores, ranking.scored, accused, ranked.strongest)

@@ -21,6 +21,31 @@ class AccusedCount:
     capped: bool
 
 
+@dataclass(frozen=True)
+class RankingCaption:
+    """What the ranking's rows are, in words: the terminal table's title and the HTML page's lead sentence. A smoke
+    test's rows are its largest gradients, not rows that pushed toward anything: saying so is the only true
+    sentence there."""
+
+    title: str
+    lead: str
+
+
+def ranking_caption(report: Report) -> RankingCaption:
+    if report.verdict is Verdict.smoke_test:
+        return RankingCaption(
+            "training rows with the largest gradients (a smoke test: outliers, not causes)",
+            "Ranked by each row's squared gradient norm over the LoRA parameters, the largest gradients first: "
+            "without an eval set there is nothing to attribute, so these are the rows most unlike the rest, not "
+            "causes.")
+    toward = ("toward the answers the fine-tune fixed" if report.query.direction == "improvement"
+              else "toward the failure")
+    return RankingCaption(
+        f"training rows that pushed the model {toward}",
+        f"Ranked by attribution score: how strongly each row's gradient pushed the model {toward} on the "
+        f"{'fixed' if report.query.direction == 'improvement' else 'failing'} items.")
+
+
 def accused(report: Report) -> AccusedCount:
     """The accused count and rule; a report written before the accused rule accuses its whole ranking."""
     acc = report.accused

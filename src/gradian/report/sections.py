@@ -14,7 +14,7 @@ import numpy as np
 from ..attribution.formulation import Formulation
 from ..capability.metrics import is_binary_metric
 from ..version import __version__
-from .banner import accused, banner
+from .banner import accused, banner, ranking_caption
 from .plots import Bins, RugMark, capability_svg, fmt_num, histogram_from_scores, histogram_svg
 from .ranking_schema import RankedTurn
 from .schema import Capability, IndexSummary, Report
@@ -301,6 +301,9 @@ def page_context(report: Report, verify: Mapping[str, Any] | None, fidelity: Map
         "cap_svg": capability_svg(report.capability) if report.capability is not None else None,
         "rows": rows,
         "accused": accused(report),
+        # the training rows: the index's count, else the scores' (the one pass and a smoke test build no index)
+        "rows_total": index.examples if index is not None else (report.scores_summary.n or None),
+        "ranking_lead": ranking_caption(report).lead,
         "has_truth": given(report.truth),
         "planted_total": len(planted),
         "planted_found": sum(1 for r in rows if r["planted"]),

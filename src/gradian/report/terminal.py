@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..verdict import Verdict
+from .banner import ranking_caption
 from .schema import Report
 
 _VERDICT_STYLE = {Verdict.attributed: "green", Verdict.declined: "yellow", Verdict.smoke_test: "magenta"}
@@ -27,7 +28,7 @@ def print_summary(report: Report, console: Console | None = None, rows: int = 10
         console.print(f"  [{_LEVEL_STYLE[f.level]}]{f.level}[/] {f.id}: {f.message}")
     if report.ranking:
         planted = set(report.truth.planted or ()) if report.truth is not None else set()
-        t = Table(title="training rows that pushed the model toward the failure", show_lines=False)
+        t = Table(title=ranking_caption(report).title, show_lines=False)
         for col in ("rank", "position", "score", "base loss", "tuned loss", "preview"):
             t.add_column(col, justify="right" if col not in ("preview",) else "left", overflow="fold")
         for r in report.ranking[:rows]:
