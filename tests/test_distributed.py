@@ -198,6 +198,22 @@ def test_two_processes_give_the_scores_of_one(one_and_two):
     assert p2.stdout.count("report: ") == 1  # rank 0 alone prints
 
 
+def test_a_smoke_test_over_two_processes_equals_one(demo_cfg):
+    """No eval set: each rank streams its batches' gradient norms (`row_pass.gradient_norms`), gathered; the scores
+    and the agreement flag are one process's, and no index is built."""
+    run = demo_cfg.parent
+    got = {}
+    for n in (1, 2):
+        p = gradian("attribute", str(demo_cfg), "--set", "data.eval=null", "--set", f"output=smoke{n}",
+                    "--set", f"grads.cache_dir=smoke-ix{n}", nproc=n)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        got[n] = json.loads((run / f"smoke{n}" / "report.json").read_text())
+        assert not (run / f"smoke-ix{n}").exists()
+    assert np.array_equal(np.load(run / "smoke1" / "scores.npy"), np.load(run / "smoke2" / "scores.npy"))
+    assert got[1]["verdict"] == got[2]["verdict"] == "smoke_test"
+    assert [f["id"] for f in got[1]["flags"]] == [f["id"] for f in got[2]["flags"]]
+
+
 def test_the_manifest_lists_both_ranks_shards_and_one_process_reuses_them(one_and_two, demo_cfg):
     _, ix2, _ = one_and_two[2]
     mans = _manifests(ix2)
