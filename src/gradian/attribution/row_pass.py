@@ -18,6 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from ..checks.convergence import Agreement
 from ..distributed import current, gather_by_index
 from ..explain.clusters import SKETCH_DIM, CountSketch
 from ..grads.capture import Segments
@@ -87,30 +88,19 @@ def exact_batches(grads, positions: Sequence[int], label: str, turns: Optional[S
 
 def gradient_norms(grads) -> tuple[np.ndarray, Optional[tuple[float, int]]]:
     """A smoke test's pass (no eval set, so no query to score against): float64 [N] each row's squared exact
-    gradient norm (the rows most unlike the rest come first), and the rows' gradient agreement (|sum of rows| / sum
-    of their norms, rows: `checks.convergence.gradient_agreement`), from one streamed pass over the rows, batch by
-    batch; nothing is kept and no index is built. Under torchrun each rank computes its batches and the results
-    are gathered."""
-    n = len(grads.toks)
+    gradient norm (the rows most unlike the rest come first), and the rows' gradient agreement
+    (`checks.convergence.gradient_agreement`), from one streamed pass over the rows, batch by batch; nothing is
+    kept and no index is built. Under torchrun each rank computes its batches and the results are gathered."""
     sq: dict[int, tuple[list[int], np.ndarray]] = {}
-    total, norm_sum, count = None, 0.0, 0
+    agree = Agreement()
     for j, part, v, _ in exact_batches(grads, length_order(grads.toks), "gradients (smoke test)"):
         v = v.astype(np.float64)
-        s = np.einsum("ij,ij->i", v, v)
-        sq[j] = (part, s)
-        keep = s > 0  # a row without supervised tokens has no gradient: it pulls nowhere
-        if keep.any():
-            total = v[keep].sum(0) if total is None else total + v[keep].sum(0)
-            norm_sum += float(np.sqrt(s[keep]).sum())
-            count += int(keep.sum())
-    out = np.zeros(n, dtype=np.float64)
+        sq[j] = (part, np.einsum("ij,ij->i", v, v))
+        agree.add(v)
+    out = np.zeros(len(grads.toks), dtype=np.float64)
     for part, s in gather_by_index(sq).values():
         out[part] = s
-    sums = [x for x in gather_by_index({current().rank: (total, norm_sum, count)}).values() if x[0] is not None]
-    if not sums or sum(x[1] for x in sums) <= 0:
-        return out, None
-    whole = sum(x[0] for x in sums)
-    return out, (float(np.linalg.norm(whole) / sum(x[1] for x in sums)), int(sum(x[2] for x in sums)))
+    return out, Agreement.merged(gather_by_index({current().rank: agree}).values()).result()
 
 
 def norms_of(v: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:

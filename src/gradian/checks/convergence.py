@@ -23,6 +23,7 @@ epochs, 64%; after 1 epoch (at the demo's rate and at a fifth of it) the agreeme
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -62,23 +63,50 @@ def curve_share(means: Sequence[float]) -> Optional[float]:
     return max(0.0, (means[-2] - means[-1]) / total)
 
 
+@dataclass
+class Agreement:
+    """The running sums behind `gradient_agreement`: the sum of the non-zero rows, the sum of their norms, their
+    number. Blocks are added as they come; the sums of several processes add up (`merged`)."""
+
+    total: Optional[np.ndarray] = None
+    norms: float = 0.0
+    n: int = 0
+
+    def add(self, block: np.ndarray) -> None:
+        block = np.asarray(block, dtype=np.float64)
+        nz = np.linalg.norm(block, axis=1)
+        keep = nz > 0  # a row without supervised tokens has no gradient: it pulls nowhere
+        if not keep.any():
+            return
+        s = block[keep].sum(axis=0)
+        self.total = s if self.total is None else self.total + s
+        self.norms += float(nz[keep].sum())
+        self.n += int(keep.sum())
+
+    @staticmethod
+    def merged(parts: Iterable["Agreement"]) -> "Agreement":
+        out = Agreement()
+        for p in parts:
+            if p.total is not None:
+                out.total = p.total if out.total is None else out.total + p.total
+                out.norms += p.norms
+                out.n += p.n
+        return out
+
+    def result(self) -> Optional[tuple[float, int]]:
+        """(|sum of rows| / sum of row norms, rows); None without rows."""
+        if self.total is None or self.norms <= 0:
+            return None
+        return float(np.linalg.norm(self.total) / self.norms), self.n
+
+
 def gradient_agreement(chunks: Iterable[np.ndarray]) -> Optional[tuple[float, int]]:
     """(|sum of rows| / sum of row norms, rows) over row chunks [rows, dim] (zero rows left out); None without
     rows. n unrelated rows of equal norm give about 1/sqrt(n); the flag reads ratio x sqrt(n)."""
-    total, norms, n = None, 0.0, 0
+    acc = Agreement()
     for block in chunks:
-        block = np.asarray(block, dtype=np.float64)
-        nz = np.linalg.norm(block, axis=1)
-        keep = nz > 0
-        if not keep.any():
-            continue
-        s = block[keep].sum(axis=0)
-        total = s if total is None else total + s
-        norms += float(nz[keep].sum())
-        n += int(keep.sum())
-    if total is None or norms <= 0:
-        return None
-    return float(np.linalg.norm(total) / norms), n
+        acc.add(block)
+    return acc.result()
 
 
 def curve_message(share: float, means: Sequence[float], source: str = "") -> str:

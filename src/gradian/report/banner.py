@@ -38,12 +38,12 @@ def ranking_caption(report: Report) -> RankingCaption:
             "Ranked by each row's squared gradient norm over the LoRA parameters, the largest gradients first: "
             "without an eval set there is nothing to attribute, so these are the rows most unlike the rest, not "
             "causes.")
-    toward = ("toward the answers the fine-tune fixed" if report.query.direction == "improvement"
-              else "toward the failure")
+    fixed = report.query.direction == "improvement"
+    toward = "toward the answers the fine-tune fixed" if fixed else "toward the failure"
     return RankingCaption(
         f"training rows that pushed the model {toward}",
         f"Ranked by attribution score: how strongly each row's gradient pushed the model {toward} on the "
-        f"{'fixed' if report.query.direction == 'improvement' else 'failing'} items.")
+        f"{'fixed' if fixed else 'failing'} items.")
 
 
 def accused(report: Report) -> AccusedCount:
